@@ -1,0 +1,42 @@
+# Every entry point of the course. The first use creates .venv from requirements.txt.
+SHELL := /bin/bash
+PY := .venv/bin/python
+STAGE ?=
+IMPL ?= solution
+export PYTHONHASHSEED := 0
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup test grade lab bench check lint format clean-venv
+
+setup: .venv/.installed
+
+.venv/.installed: requirements.txt
+	@test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	@# make the course importable from notebooks and subprocesses started anywhere
+	@echo "$(CURDIR)" > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/llm_course.pth
+	@touch $@
+
+## make test: the whole suite against the reference solutions, plus the course guarantees (tests/meta)
+test: setup
+	TRITON_INTERPRET=1 $(PY) -m labkit.check
+
+## make grade [STAGE=02]: grade your own stage code
+grade: setup
+	TRITON_INTERPRET=1 $(PY) -m labkit.grade $(if $(STAGE),--stage $(STAGE))
+
+## make lab: Jupyter on the notebooks
+lab: setup
+	TRITON_INTERPRET=$${TRITON_INTERPRET:-1} .venv/bin/jupyter lab --notebook-dir=$(CURDIR)
+
+## make bench STAGE=02: one stage's benchmark (reference solution unless IMPL=student)
+bench: setup
+	@test -n "$(STAGE)" || { echo "usage: make bench STAGE=02"; exit 2; }
+	LABS_IMPL=$(IMPL) TRITON_INTERPRET=1 $(PY) -m labkit.bench $(STAGE)
+
+## make check: lint and format check
+check lint: setup
+	.venv/bin/ruff check . && .venv/bin/ruff format --check .
+
+format: setup
+	.venv/bin/ruff format . && .venv/bin/ruff check --fix .

@@ -1,0 +1,39 @@
+"""pytest plumbing shared by every stage: the --impl switch and the `impl` fixture, markers."""
+
+import os
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--impl",
+        choices=["student", "solution"],
+        default=None,
+        help="whose stage code the graded tests run: the learner's skeleton (default) or the reference solution",
+    )
+
+
+def pytest_configure(config):
+    impl = config.getoption("--impl")
+    if impl:
+        os.environ["LABS_IMPL"] = impl  # subprocesses (dist tests, servers) inherit the choice
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def impl():
+    """impl("stage02_kv_cache.kv_cache") -> the module from the implementation in force."""
+    from labkit.impl import load
+
+    return load

@@ -1,0 +1,47 @@
+"""One switch picks whose code runs: the learner's skeleton or the reference solution.
+
+    LABS_IMPL=student   (default) stage modules come from ./stageNN_topic/
+    LABS_IMPL=solution  stage modules come from ./solutions/stageNN_topic/
+
+Tests and notebooks never import a stage module directly; they call `load("stage02_kv_cache.kv_cache")`.
+Modules inside a stage import each other relatively (`from .paged import ...`), so a stage's
+modules always come from the same side.
+"""
+
+import importlib
+import os
+import re
+from types import ModuleType
+
+IMPLS = ("student", "solution")
+_STAGE_RE = re.compile(r"^stage\d\d_[a-z0-9_]+$")
+
+
+def current() -> str:
+    """The implementation in force: $LABS_IMPL, default 'student'."""
+    name = os.environ.get("LABS_IMPL", "student").strip().lower()
+    if name not in IMPLS:
+        raise ValueError(f"LABS_IMPL={name!r} is not one of {IMPLS}; unset it or pick one of those.")
+    return name
+
+
+def load(module: str, impl: str | None = None) -> ModuleType:
+    """Import 'stageNN_topic.module' from the learner's folder or the solutions folder."""
+    stage = module.split(".", 1)[0]
+    if not _STAGE_RE.match(stage):
+        raise ValueError(
+            f"{module!r} does not start with a stage folder such as 'stage02_kv_cache'; "
+            "pass 'stageNN_topic.module'."
+        )
+    impl = impl or current()
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {IMPLS}.")
+    full = module if impl == "student" else f"solutions.{module}"
+    try:
+        return importlib.import_module(full)
+    except ModuleNotFoundError as e:
+        if e.name and full.startswith(e.name):
+            raise ModuleNotFoundError(
+                f"No module {full!r}: is the stage name right? Stage folders are listed in README.md."
+            ) from e
+        raise

@@ -1,0 +1,141 @@
+"""Train the course's tiny models from scratch, deterministically, on the CPU.
+
+    python -m labkit.train            # tokenizer, target, then the distilled draft (~30 min, 2 cores)
+    python -m labkit.train --only draft
+
+Writes Hugging Face folders labkit/assets/tiny-target and labkit/assets/tiny-draft (bf16 weights,
+one shared byte-level BPE tokenizer) and labkit/assets/training_report.json with the figures the
+README quotes. The draft is distilled on the target's own next-token distributions (KL), which is
+what makes it agree with the target often enough for speculative decoding to pay off.
+"""
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import ASSETS, DRAFT, TARGET, corpus, evaluate
+from .model import Config, Llama, init_weights, load, save
+
+VOCAB = 2048
+SEQ = 512
+TARGET_CONFIG = Config(num_hidden_layers=8)
+DRAFT_CONFIG = Config(num_hidden_layers=1)
+SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2
+
+
+def train_tokenizer(folder: Path) -> list[Path]:
+    """Byte-level BPE over the training stories; returns the tokenizer files to ship."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(corpus.train_texts(), trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "pad_token": "<pad>",
+                "model_max_length": TARGET_CONFIG.max_position_embeddings,
+            },
+            indent=2,
+        )
+    )
+    return [folder / "tokenizer.json", folder / "tokenizer_config.json"]
+
+
+def windows(ids: torch.Tensor, batch: int, gen: torch.Generator) -> torch.Tensor:
+    """`batch` random windows of SEQ + 1 tokens from the packed token stream."""
+    starts = torch.randint(0, len(ids) - SEQ - 1, (batch,), generator=gen)
+    return torch.stack([ids[s : s + SEQ + 1] for s in starts.tolist()])
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int = 30) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)  # cosine decay to 10 % of the peak
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def fit(model: Llama, ids: torch.Tensor, steps: int, batch: int, peak_lr: float, teacher: Llama | None, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    t0 = time.time()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, peak_lr)
+        x = windows(ids, batch, gen)
+        logits = model(x[:, :-1]).float()
+        if teacher is None:
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+        else:
+            with torch.no_grad():
+                target_logp = F.log_softmax(teacher(x[:, :-1]).float(), -1)
+            loss = F.kl_div(F.log_softmax(logits, -1), target_logp, log_target=True, reduction="batchmean") / SEQ
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 25 == 0 or step == steps - 1:
+            print(f"  step {step:4d}/{steps}  loss {loss.item():.4f}  {time.time() - t0:6.0f}s", flush=True)
+    return time.time() - t0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=["target", "draft"], help="train just one model (draft needs the target)")
+    ap.add_argument("--target-steps", type=int, default=500)
+    ap.add_argument("--draft-steps", type=int, default=400)
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    report_file = ASSETS / "training_report.json"
+    report = json.loads(report_file.read_text()) if report_file.exists() else {}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if args.only != "draft":
+            print("tokenizer: training byte-level BPE, vocab", VOCAB, flush=True)
+            tok_files = train_tokenizer(tmp)
+        else:
+            tok_files = [TARGET / "tokenizer.json", TARGET / "tokenizer_config.json"]
+        tokenizer = evaluate.load_tokenizer(tok_files[0].parent)
+        ids = evaluate.pack(tokenizer, corpus.train_texts())
+        print(f"corpus: {len(ids):,} training tokens", flush=True)
+
+        if args.only != "draft":
+            target = init_weights(Llama(TARGET_CONFIG), seed=0).train()
+            print(f"target: {target.num_params():,} params, {args.target_steps} steps", flush=True)
+            secs = fit(target, ids, args.target_steps, batch=8, peak_lr=3e-3, teacher=None, seed=1)
+            save(target, TARGET, tok_files)
+            report["target"] = {"params": target.num_params(), "train_seconds": round(secs), "steps": args.target_steps}
+        target = load(TARGET)
+
+        if args.only != "target":
+            draft = init_weights(Llama(DRAFT_CONFIG), seed=1)
+            with torch.no_grad():  # start from the target's embeddings: same tokens, same space
+                draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+            draft.train()
+            print(f"draft: {draft.num_params():,} params, distilled for {args.draft_steps} steps", flush=True)
+            secs = fit(draft, ids, args.draft_steps, batch=8, peak_lr=3e-3, teacher=target, seed=2)
+            save(draft, DRAFT, tok_files)
+            report["draft"] = {"params": draft.num_params(), "train_seconds": round(secs), "steps": args.draft_steps}
+
+    report.update(evaluate.report_pair(load(TARGET), load(DRAFT), tokenizer))
+    report_file.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
