@@ -95,3 +95,8 @@ def save(path: str | os.PathLike, config: dict, state: dict[str, torch.Tensor], 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def load_arrays(path: str | os.PathLike) -> dict:
+    """The folder's tensors as float32 NumPy arrays (bf16/fp16 weights are upcast exactly)."""
+    return {k: v.float().numpy() for k, v in load_state_dict(path).items()}
