@@ -9,3 +9,13 @@ ROOT = Path(__file__).resolve().parent.parent
 ASSETS = Path(__file__).resolve().parent / "assets"
 TARGET = ASSETS / "tiny-target"
 DRAFT = ASSETS / "tiny-draft"
+
+STAGES = {
+    "01": ("stage01_forward_numpy", "GPT-2 and a Llama block, forward pass in NumPy"),
+    "02": ("stage02_kv_cache", "KV cache, GQA, memory math, cached decode"),
+    "03": ("stage03_quantization", "INT8, INT4, NF4, FP8, GPTQ, AWQ, SmoothQuant"),
+    "04": ("stage04_batching", "paged KV cache, prefix caching, continuous batching, streaming server"),
+    "05": ("stage05_flashattention", "online softmax, FlashAttention and decode kernels in Triton"),
+    "06": ("stage06_speculative", "speculative decoding, rejection sampling, prompt lookup"),
+    "07": ("stage07_tensor_parallel", "column/row-parallel layers, a tensor-parallel model"),
+}

@@ -17,16 +17,34 @@ LANDMARKS = ["river", "hill", "old bridge", "tall tree", "big rock", "blue lake"
 COLORS = "red blue green yellow purple orange white black pink silver golden brown".split()
 OBJECTS = "ball kite box hat key book cup map shell stone drum bell boat lamp basket feather".split()
 ACTIVITIES = [
-    "play by the water", "read under a tree", "sing songs", "run in the grass", "climb the hill",
-    "count the clouds", "bake bread", "paint pictures", "watch the birds", "build small houses",
+    "play by the water",
+    "read under a tree",
+    "sing songs",
+    "run in the grass",
+    "climb the hill",
+    "count the clouds",
+    "bake bread",
+    "paint pictures",
+    "watch the birds",
+    "build small houses",
 ]
 PLANS = [
-    "look for its owner", "show it to everyone", "keep it safe", "take it home",
-    "ask the wise old owl", "put it back where it was", "share it with their friends",
+    "look for its owner",
+    "show it to everyone",
+    "keep it safe",
+    "take it home",
+    "ask the wise old owl",
+    "put it back where it was",
+    "share it with their friends",
 ]
 ENDINGS = [
-    "became best friends", "laughed all the way home", "had a big party", "went to sleep happy",
-    "promised to help each other", "learned something new", "shared a warm dinner",
+    "became best friends",
+    "laughed all the way home",
+    "had a big party",
+    "went to sleep happy",
+    "promised to help each other",
+    "learned something new",
+    "shared a warm dinner",
 ]
 FEELINGS = "happy sad surprised excited scared proud tired".split()
 

@@ -30,8 +30,7 @@ def load(module: str, impl: str | None = None) -> ModuleType:
     stage = module.split(".", 1)[0]
     if not _STAGE_RE.match(stage):
         raise ValueError(
-            f"{module!r} does not start with a stage folder such as 'stage02_kv_cache'; "
-            "pass 'stageNN_topic.module'."
+            f"{module!r} does not start with a stage folder such as 'stage02_kv_cache'; pass 'stageNN_topic.module'."
         )
     impl = impl or current()
     if impl not in IMPLS:

@@ -251,7 +251,11 @@ def init_weights(model: Llama, seed: int = 0, std: float = 0.02) -> Llama:
         if name.endswith("layernorm.weight") or name == "model.norm.weight":
             nn.init.ones_(p)
         else:
-            scale = std / math.sqrt(2 * model.config.num_hidden_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else std
+            scale = (
+                std / math.sqrt(2 * model.config.num_hidden_layers)
+                if name.endswith(("o_proj.weight", "down_proj.weight"))
+                else std
+            )
             with torch.no_grad():
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
     return model

@@ -53,8 +53,14 @@ def random_gpt2(seed: int = 0, **overrides):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     kw = dict(
-        vocab_size=101, n_positions=128, n_embd=48, n_layer=2, n_head=3,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=101,
+        n_positions=128,
+        n_embd=48,
+        n_layer=2,
+        n_head=3,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     kw.update(overrides)
     torch.manual_seed(seed)

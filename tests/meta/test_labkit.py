@@ -1,0 +1,205 @@
+"""labkit is not graded, but every stage stands on it: its model, loaders and assets are tested here."""
+
+import json
+
+import pytest
+import torch
+
+import labkit
+from labkit import checkpoint, impl
+from labkit.model import Config, Llama, init_weights, load, save
+from labkit.testing import LLAMA_CONFIGS, hf_from_labkit, hf_greedy, labkit_from_hf, random_llama, random_tokens
+
+
+@pytest.mark.parametrize("name", LLAMA_CONFIGS)
+def test_model_logits_equal_hf_llama(name):
+    hf = random_llama(seed=7, **LLAMA_CONFIGS[name])
+    model = labkit_from_hf(hf)
+    ids = random_tokens(seed=7, length=23, vocab_size=97, batch=2)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-5, rtol=0, msg=f"config {name}")
+
+
+@pytest.mark.parametrize("name", LLAMA_CONFIGS)
+def test_cached_decode_equals_full_forward(name):
+    model = labkit_from_hf(random_llama(seed=3, **LLAMA_CONFIGS[name]))
+    ids = random_tokens(seed=3, length=21, vocab_size=97, batch=2)
+    cache = model.new_cache(batch_size=2, max_seq_len=32)
+    with torch.no_grad():
+        chunks = [model(ids[:, :9], cache), model(ids[:, 9:10], cache), model(ids[:, 10:], cache)]
+        torch.testing.assert_close(torch.cat(chunks, 1), model(ids), atol=1e-5, rtol=0)
+    assert cache.length == 21
+
+
+def test_truncated_cache_continues_like_a_fresh_run():
+    model = labkit_from_hf(random_llama(seed=4))
+    ids = random_tokens(seed=4, length=15, vocab_size=97, batch=1)
+    cache = model.new_cache(1, 32)
+    with torch.no_grad():
+        model(ids, cache)
+        cache.truncate(10)
+        got = model(ids[:, 10:12], cache)
+        torch.testing.assert_close(got, model(ids[:, :12])[:, 10:], atol=1e-5, rtol=0)
+
+
+def test_cache_overflow_and_bad_truncate_say_what_to_do():
+    model = labkit_from_hf(random_llama(seed=5))
+    cache = model.new_cache(1, 8)
+    with pytest.raises(ValueError, match="larger max_seq_len"):
+        model(torch.zeros(1, 9, dtype=torch.long), cache)
+    with pytest.raises(ValueError, match="cannot truncate"):
+        cache.truncate(3)
+
+
+def test_generate_equals_hf_greedy():
+    hf = random_llama(seed=6, **LLAMA_CONFIGS["gqa4-3layers"])
+    prompt = random_tokens(6, 9, 97).tolist()
+    assert labkit_from_hf(hf).generate(prompt, 12, stop_at_eos=False) == hf_greedy(hf, prompt, 12)
+
+
+def test_hf_roundtrip_of_weights():
+    model = init_weights(
+        Llama(
+            Config(
+                vocab_size=97,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+            )
+        ),
+        seed=1,
+    )
+    ids = random_tokens(1, 11, 97, batch=1)
+    with torch.no_grad():
+        torch.testing.assert_close(hf_from_labkit(model)(ids).logits, model(ids), atol=1e-5, rtol=0)
+
+
+def test_save_then_load_with_transformers_and_labkit(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = init_weights(
+        Llama(
+            Config(
+                vocab_size=97,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=1,
+                head_dim=16,
+            )
+        ),
+        seed=2,
+    )
+    save(model, tmp_path / "m", dtype=torch.float32)
+    ids = random_tokens(2, 13, 97, batch=1)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), atol=1e-5, rtol=0)
+        torch.testing.assert_close(load(tmp_path / "m")(ids), model(ids), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_loads_a_folder_written_by_save_pretrained(tmp_path, tied):
+    hf = random_llama(seed=8, tie_word_embeddings=tied)
+    hf.save_pretrained(tmp_path)
+    ids = random_tokens(8, 10, 97, batch=1)
+    with torch.no_grad():
+        torch.testing.assert_close(load(tmp_path)(ids), hf(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_checkpoint_errors_name_the_problem(tmp_path):
+    with pytest.raises(checkpoint.CheckpointError, match="not a folder"):
+        checkpoint.read_config(tmp_path / "nope")
+    with pytest.raises(checkpoint.CheckpointError, match="no config.json"):
+        checkpoint.read_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(checkpoint.CheckpointError, match="llama family"):
+        checkpoint.read_config(tmp_path, family="llama")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(checkpoint.CheckpointError, match="pickle"):
+        checkpoint.load_state_dict(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(checkpoint.CheckpointError, match="not valid JSON"):
+        checkpoint.read_config(tmp_path)
+
+
+def test_shape_mismatch_between_config_and_weights_is_reported(tmp_path):
+    hf = random_llama(seed=9)
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["intermediate_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(checkpoint.CheckpointError, match="different models"):
+        load(tmp_path)
+
+
+def test_a_failed_save_leaves_the_old_checkpoint_intact(tmp_path):
+    model = init_weights(
+        Llama(
+            Config(
+                vocab_size=97,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+            )
+        )
+    )
+    save(model, tmp_path / "m")
+    before = (tmp_path / "m" / "model.safetensors").read_bytes()
+    with pytest.raises(FileNotFoundError):
+        save(model, tmp_path / "m", extra_files=[tmp_path / "missing.json"])  # fails mid-write
+    assert (tmp_path / "m" / "model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"], "no temporary folder may be left behind"
+
+
+def test_impl_switch(monkeypatch):
+    with pytest.raises(ValueError, match="stage folder"):
+        impl.load("kv_cache")
+    monkeypatch.setenv("LABS_IMPL", "teacher")
+    with pytest.raises(ValueError, match="LABS_IMPL"):
+        impl.current()
+    with pytest.raises(ModuleNotFoundError, match="stage name"):
+        impl.load("stage99_nothing.module", impl="solution")
+
+
+assets = pytest.mark.skipif(
+    not (labkit.DRAFT / "config.json").exists(), reason="tiny models not trained (python -m labkit.train)"
+)
+
+
+@assets
+@pytest.mark.parametrize("path", [labkit.TARGET, labkit.DRAFT], ids=["target", "draft"])
+def test_tiny_models_load_offline_with_transformers(path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tok = AutoTokenizer.from_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = tok("Once upon a time, there was a", return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(load(path)(ids), hf(ids).logits, atol=1e-4, rtol=0)
+    assert tok.decode(ids[0]) == "Once upon a time, there was a"
+
+
+@assets
+def test_tiny_models_fit_the_course():
+    target, draft = (
+        Config.from_hf(checkpoint.read_config(labkit.TARGET)),
+        Config.from_hf(checkpoint.read_config(labkit.DRAFT)),
+    )
+    for c in (target, draft):
+        assert c.hidden_size % 128 == 0 and c.intermediate_size % 128 == 0, "stage 03 quantizes in groups of 128"
+        assert c.max_position_embeddings >= 1024, "stage 02 generates 1024-token sequences"
+    assert target.vocab_size == draft.vocab_size
+    assert (labkit.TARGET / "tokenizer.json").read_bytes() == (labkit.DRAFT / "tokenizer.json").read_bytes()
+    size = sum(p.stat().st_size for d in (labkit.TARGET, labkit.DRAFT) for p in d.iterdir())
+    assert size < 30e6, f"assets take {size / 1e6:.1f} MB"
+    report = json.loads((labkit.ASSETS / "training_report.json").read_text())
+    assert report["greedy_agreement_draft_vs_target"] >= 0.8
