@@ -89,7 +89,7 @@ def table(rows: list[dict], title: str = "") -> str:
     cols = list(rows[0])
     cells = [[f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
+    line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths, strict=True))  # noqa: E731
     out = [title] if title else []
     out += [line(cols), line(["-" * w for w in widths]), *map(line, cells)]
     return "\n".join(out)
