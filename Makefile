@@ -5,6 +5,8 @@ STAGE ?=
 IMPL ?= solution
 export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
+# Triton kernels run in its CPU interpreter unless there is an NVIDIA GPU to compile them for.
+export TRITON_INTERPRET ?= $(if $(wildcard /dev/nvidia0),0,1)
 
 .PHONY: setup test grade lab bench check lint format clean-venv
 
@@ -19,20 +21,20 @@ setup: .venv/.installed
 
 ## make test: the whole suite against the reference solutions, plus the course guarantees (tests/meta)
 test: setup
-	TRITON_INTERPRET=1 $(PY) -m labkit.check
+	$(PY) -m labkit.check
 
 ## make grade [STAGE=02]: grade your own stage code
 grade: setup
-	TRITON_INTERPRET=1 $(PY) -m labkit.grade $(if $(STAGE),--stage $(STAGE))
+	$(PY) -m labkit.grade $(if $(STAGE),--stage $(STAGE))
 
 ## make lab: Jupyter on the notebooks
 lab: setup
-	TRITON_INTERPRET=$${TRITON_INTERPRET:-1} .venv/bin/jupyter lab --notebook-dir=$(CURDIR)
+	LABS_IMPL=$${LABS_IMPL:-student} .venv/bin/jupyter lab --notebook-dir=$(CURDIR)
 
 ## make bench STAGE=02: one stage's benchmark (reference solution unless IMPL=student)
 bench: setup
 	@test -n "$(STAGE)" || { echo "usage: make bench STAGE=02"; exit 2; }
-	LABS_IMPL=$(IMPL) TRITON_INTERPRET=1 $(PY) -m labkit.bench $(STAGE)
+	LABS_IMPL=$(IMPL) $(PY) -m labkit.bench $(STAGE)
 
 ## make check: lint and format check
 check lint: setup

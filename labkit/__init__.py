@@ -19,3 +19,10 @@ STAGES = {
     "06": ("stage06_speculative", "speculative decoding, rejection sampling, prompt lookup"),
     "07": ("stage07_tensor_parallel", "column/row-parallel layers, a tensor-parallel model"),
 }
+
+
+def triton_interpret() -> str:
+    """TRITON_INTERPRET for child processes: as set, else the CPU interpreter unless a GPU is present."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0" if Path("/dev/nvidia0").exists() else "1")

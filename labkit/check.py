@@ -7,16 +7,15 @@ For each built stage, in order:
 then tests/meta for labkit itself. Prints a per-stage timing table; exit 1 if anything failed.
 """
 
-import os
 import sys
 import time
 
-from . import ROOT, STAGES
+from . import ROOT, STAGES, triton_interpret
 from .junit import Run, run_pytest
 
 
 def main() -> int:
-    env = {"TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
+    env = {"TRITON_INTERPRET": triton_interpret()}
     built = [(n, folder) for n, (folder, _) in STAGES.items() if (ROOT / "tests" / folder).is_dir()]
     rows: list[tuple[str, str, Run]] = []
     t0 = time.perf_counter()

@@ -13,13 +13,13 @@ them with the canonical tests, so edited tests or labkit files in a submission c
 
 import argparse
 import json
-import os
+import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from . import ROOT, STAGES
+from . import ROOT, STAGES, triton_interpret
 from .junit import Run, run_pytest
 
 NOT_STARTED_MARK = "NotImplementedError"
@@ -48,6 +48,9 @@ def status(run: Run) -> tuple[str, str]:
         return "complete", ""
     first = failed[0]
     hint = f"{first.name.rsplit('::', 1)[-1]}: {first.message}".strip()
+    where = re.findall(r"(stage\d\d_\w+/\w+\.py):(\d+)", first.details)
+    if where:  # the deepest frame in the learner's own files
+        hint += f"  [{where[-1][0]}:{where[-1][1]}]"
     if len(failed) == len(graded) and all(NOT_STARTED_MARK in c.message for c in failed):
         return "not started", hint
     return "in progress", hint
@@ -62,7 +65,7 @@ def grade_stage(course: Path, number: str, timeout: float, verbose: bool) -> dic
     env = {
         "LABS_IMPL": "student",
         "PYTHONPATH": str(course),
-        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1"),
+        "TRITON_INTERPRET": triton_interpret(),
     }
     run = run_pytest([str(tests), "--impl", "student", "-q"], cwd=course, env=env, timeout=timeout)
     graded = [c for c in run.cases if c.outcome != "skipped"]

@@ -16,6 +16,7 @@ class Case:
     name: str
     outcome: str  # passed | failed | skipped
     message: str = ""
+    details: str = ""  # the traceback, for failures
 
 
 @dataclass
@@ -60,12 +61,13 @@ def _cases(xml: Path) -> list[Case]:
     cases = []
     for tc in ET.parse(xml).getroot().iter("testcase"):
         name = f"{tc.get('classname', '')}::{tc.get('name', '')}".lstrip(":")
-        outcome, message = "passed", ""
+        outcome, message, details = "passed", "", ""
         for child in tc:
             if child.tag in ("failure", "error"):
-                outcome, message = "failed", child.get("message") or (child.text or "").strip().splitlines()[-1:][0]
+                details = child.text or ""
+                outcome, message = "failed", child.get("message") or (details.strip().splitlines() or [""])[-1]
                 break
             if child.tag == "skipped":
                 outcome, message = "skipped", child.get("message", "")
-        cases.append(Case(name, outcome, message))
+        cases.append(Case(name, outcome, message, details))
     return cases

@@ -96,9 +96,12 @@ def fit(model: Llama, ids: torch.Tensor, steps: int, batch: int, peak_lr: float,
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=["target", "draft"], help="train just one model (draft needs the target)")
-    ap.add_argument("--target-steps", type=int, default=500)
-    ap.add_argument("--draft-steps", type=int, default=400)
+    ap.add_argument("--target-steps", type=int, default=300)
+    ap.add_argument("--draft-steps", type=int, default=300)
+    ap.add_argument("--threads", type=int, help="torch threads (1 trains faster on a busy machine)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     report_file = ASSETS / "training_report.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else {}
