@@ -1,0 +1,198 @@
+"""GPT-2's forward pass in plain NumPy: every matrix multiply of a decoder, nothing hidden.
+
+Conventions used throughout the stage:
+- one sequence at a time: token_ids (T,), activations (T, D), logits (T, V); the elementwise
+  functions accept any leading dimensions;
+- every weight matrix of a linear layer is stored (d_in, d_out), so a layer is `x @ W + b`;
+- all arrays are float32, and every function returns float32.
+
+The parameters are a plain dict (see `load_gpt2_params`), so any checkpoint that can be turned
+into arrays runs here, and this module never imports torch.
+"""
+
+import math
+import os
+
+import numpy as np
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    """exp(x) / sum(exp(x)) along `axis`, without overflow for any finite input.
+
+    x: (..., N) float32; returns the same shape, non-negative, summing to 1 along `axis`.
+    """
+    # softmax(x) = softmax(x - c) for any c; with c = max, every exponent is <= 0, so exp never overflows.
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray, eps: float = 1e-5) -> np.ndarray:
+    """Normalise each vector to mean 0 and variance 1 over the last axis, then scale and shift.
+
+    x: (..., D); weight, bias: (D,); returns (..., D). The variance is the biased one (divide by D).
+    """
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * weight + bias
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """GELU in the tanh approximation GPT-2 was trained with (HF "gelu_new").
+
+    0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))); x: any shape, returns the same shape.
+    """
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def linear(x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """An affine layer: x @ weight + bias.
+
+    x: (..., d_in); weight: (d_in, d_out); bias: (d_out,) or None; returns (..., d_out).
+    """
+    y = x @ weight
+    return y if bias is None else y + bias
+
+
+def split_heads(x: np.ndarray, n_head: int) -> np.ndarray:
+    """(T, n_head·head_dim) -> (n_head, T, head_dim): head h owns columns [h·head_dim, (h+1)·head_dim)."""
+    T, D = x.shape
+    return x.reshape(T, n_head, D // n_head).transpose(1, 0, 2)
+
+
+def merge_heads(x: np.ndarray) -> np.ndarray:
+    """(n_head, T, head_dim) -> (T, n_head·head_dim), the inverse of split_heads."""
+    n_head, T, head_dim = x.shape
+    return x.transpose(1, 0, 2).reshape(T, n_head * head_dim)
+
+
+def attention_weights(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Causal attention probabilities softmax(q·kᵀ / √head_dim) with future keys masked out.
+
+    q: (H, Tq, head_dim); k: (H, Tk, head_dim) with Tk >= Tq. The queries are the LAST Tq positions
+    of the Tk keys, so query i sits at position Tk - Tq + i and sees keys 0 .. Tk - Tq + i.
+    returns (H, Tq, Tk); each row sums to 1 and is exactly 0 on masked keys.
+    """
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    scores = q @ k.swapaxes(-1, -2) / np.float32(math.sqrt(q.shape[-1]))
+    future = np.triu(np.ones((Tq, Tk), dtype=bool), k=Tk - Tq + 1)
+    # -inf, not a large negative number: exp(-inf) is exactly 0, whatever the scale of the scores.
+    scores = np.where(future, -np.inf, scores)
+    return softmax(scores, axis=-1)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Causal scaled dot-product attention: attention_weights(q, k) @ v.
+
+    q: (H, Tq, head_dim); k, v: (H, Tk, head_dim), Tk >= Tq; returns (H, Tq, head_dim).
+    """
+    return attention_weights(q, k) @ v
+
+
+def multi_head_attention(
+    x: np.ndarray, w_qkv: np.ndarray, b_qkv: np.ndarray, w_out: np.ndarray, b_out: np.ndarray, n_head: int
+) -> np.ndarray:
+    """GPT-2's causal self-attention sublayer (HF `attn`): project, split heads, attend, merge, project.
+
+    x: (T, D); w_qkv: (D, 3D), b_qkv: (3D,) produce q, k, v side by side in that order;
+    w_out: (D, D), b_out: (D,); returns (T, D).
+    """
+    q, k, v = np.split(linear(x, w_qkv, b_qkv), 3, axis=-1)  # each (T, D)
+    y = attention(split_heads(q, n_head), split_heads(k, n_head), split_heads(v, n_head))
+    return linear(merge_heads(y), w_out, b_out)
+
+
+def mlp(x: np.ndarray, w_fc: np.ndarray, b_fc: np.ndarray, w_proj: np.ndarray, b_proj: np.ndarray) -> np.ndarray:
+    """GPT-2's feed-forward sublayer: gelu(x @ w_fc + b_fc) @ w_proj + b_proj.
+
+    x: (T, D); w_fc: (D, F), b_fc: (F,); w_proj: (F, D), b_proj: (D,); returns (T, D).
+    """
+    return linear(gelu(linear(x, w_fc, b_fc)), w_proj, b_proj)
+
+
+def transformer_block(x: np.ndarray, block: dict, n_head: int, eps: float = 1e-5) -> np.ndarray:
+    """One pre-LayerNorm decoder block with both residual connections.
+
+    x: (T, D); block: one entry of params["blocks"] (see load_gpt2_params); returns (T, D).
+    x + attn(ln_1(x)), then x + mlp(ln_2(x)).
+    """
+    b = block
+    h = layer_norm(x, b["ln_1.weight"], b["ln_1.bias"], eps)
+    x = x + multi_head_attention(
+        h, b["attn.c_attn.weight"], b["attn.c_attn.bias"], b["attn.c_proj.weight"], b["attn.c_proj.bias"], n_head
+    )
+    h = layer_norm(x, b["ln_2.weight"], b["ln_2.bias"], eps)
+    return x + mlp(h, b["mlp.c_fc.weight"], b["mlp.c_fc.bias"], b["mlp.c_proj.weight"], b["mlp.c_proj.bias"])
+
+
+def gpt2_forward(params: dict, token_ids: np.ndarray) -> np.ndarray:
+    """Logits for every position of one sequence.
+
+    params: as returned by load_gpt2_params; token_ids: (T,) int, T <= n_positions.
+    returns (T, vocab_size) float32: row t scores the token that follows token_ids[: t + 1].
+    """
+    T = len(token_ids)
+    x = params["wte"][token_ids] + params["wpe"][:T]  # token embedding + learned position embedding
+    for block in params["blocks"]:
+        x = transformer_block(x, block, params["n_head"], params["eps"])
+    x = layer_norm(x, params["ln_f.weight"], params["ln_f.bias"], params["eps"])
+    return x @ params["lm_head"].T
+
+
+BLOCK_KEYS = (
+    "ln_1.weight",
+    "ln_1.bias",
+    "attn.c_attn.weight",
+    "attn.c_attn.bias",
+    "attn.c_proj.weight",
+    "attn.c_proj.bias",
+    "ln_2.weight",
+    "ln_2.bias",
+    "mlp.c_fc.weight",
+    "mlp.c_fc.bias",
+    "mlp.c_proj.weight",
+    "mlp.c_proj.bias",
+)
+
+
+def load_gpt2_params(source: str | os.PathLike | dict, config: dict | None = None) -> dict:
+    """GPT-2 weights as the dict `gpt2_forward` reads, from an HF folder or a state dict.
+
+    source: a folder written by `save_pretrained` (config.json + model.safetensors), or a state
+            dict {HF tensor name: array-like}, with or without the "transformer." prefix.
+    config: the HF config dict; required with a state dict, read from config.json for a folder.
+
+    returns {
+        "n_head": int, "eps": float (config's layer_norm_epsilon),
+        "wte": (V, D), "wpe": (n_positions, D), "ln_f.weight": (D,), "ln_f.bias": (D,),
+        "lm_head": (V, D)   the output embedding; the same array as "wte" when the file has none,
+        "blocks": one dict per layer with the keys BLOCK_KEYS, named as in HF after "h.{i}.",
+    }, every array float32. HF's Conv1D stores its weight (d_in, d_out), the layout `linear`
+    expects, so c_attn, c_proj and c_fc need no transpose (an nn.Linear would).
+    """
+    if isinstance(source, dict):
+        if config is None:
+            raise ValueError("load_gpt2_params(state_dict) needs config= (the HF config dict) for n_head and eps")
+        state = source
+    else:
+        config, state = _read_folder(source)
+    state = {k.removeprefix("transformer."): np.asarray(v, dtype=np.float32) for k, v in state.items()}
+    params = {
+        "n_head": int(config["n_head"]),
+        "eps": float(config.get("layer_norm_epsilon", 1e-5)),
+        "wte": state["wte.weight"],
+        "wpe": state["wpe.weight"],
+        "ln_f.weight": state["ln_f.weight"],
+        "ln_f.bias": state["ln_f.bias"],
+        # save_pretrained drops lm_head.weight when it is tied to wte: the two are one matrix.
+        "lm_head": state.get("lm_head.weight", state["wte.weight"]),
+        "blocks": [{key: state[f"h.{i}.{key}"] for key in BLOCK_KEYS} for i in range(config["n_layer"])],
+    }
+    return params
+
+
+def _read_folder(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+    """config.json and float32 arrays of an HF folder (labkit reads safetensors)."""
+    # Imported here, not at the top: labkit's reader uses torch, the forward pass must not.
+    from labkit.checkpoint import load_arrays, read_config
+
+    return read_config(path, family="gpt2"), load_arrays(path)
