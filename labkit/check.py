@@ -25,7 +25,7 @@ def main() -> int:
         run = run_pytest([*args, "-q", "--durations=3"], cwd=ROOT, env=env, echo=True)
         rows.append((label, part, run))
 
-    step("labkit", "toolbox tests", ["tests/meta/test_labkit.py"])
+    step("labkit", "toolbox and grader tests", ["tests/meta/test_labkit.py", "tests/meta/test_grader.py"])
     for number, folder in built:
         step(f"stage {number}", "graded tests, solution", [f"tests/{folder}", "--impl", "solution"])
         step(f"stage {number}", "guarantees", ["tests/meta/test_guarantees.py", "-k", folder])
