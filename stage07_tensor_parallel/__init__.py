@@ -1,0 +1,1 @@
+"""Stage 07: tensor parallelism."""

@@ -1,0 +1,97 @@
+"""How much tensor parallelism communicates, and an alpha-beta model of a decode step's time.
+
+Counting: every collective in a TP forward pass carries activations, never weights. Per token,
+each layer all-reduces two hidden-sized vectors (after o_proj and after down_proj), the
+vocab-parallel embedding one more, and the LM head all-gathers vocab_size / world_size logits.
+
+Timing a decode step (batch sequences, one new token each) on one of `tp` identical devices:
+
+    compute = FLOPs / flops            memory = bytes read from HBM / hbm_bandwidth
+    comm    = Σ over collectives of the alpha-beta cost (alpha = link_latency, beta = link_bandwidth)
+    total   = max(compute, memory) + comm     (the collectives sit on the critical path)
+
+Ring all-reduce of m bytes over p ranks: 2(p−1) steps, each sending m/p bytes,
+    t = 2(p−1)·alpha + 2(p−1)/p · m / beta.
+Ring all-gather where each rank contributes m bytes: t = (p−1)·alpha + (p−1) · m / beta.
+"""
+
+from dataclasses import dataclass
+
+from labkit.model import Config
+
+from .tp_model import local_head_counts
+
+# Llama-3-70B's shapes (meta-llama/Meta-Llama-3-70B config.json).
+LLAMA3_70B = Config(
+    vocab_size=128256,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    rope_theta=500_000.0,
+    tie_word_embeddings=False,
+)
+# H100 SXM dense BF16 and HBM3 figures (the course plan's); the links are nominal per-direction
+# bandwidths with an assumed per-step latency: planning numbers, not measurements.
+H100 = dict(flops=989e12, hbm_bandwidth=3.35e12)
+NVLINK = dict(link_bandwidth=450e9, link_latency=3e-6)  # NVLink 4: 900 GB/s both directions
+PCIE = dict(link_bandwidth=64e9, link_latency=10e-6)  # PCIe 5.0 x16
+
+
+@dataclass
+class StepTime:
+    """Seconds of one decode step on one rank, split by what limits it."""
+
+    compute: float
+    memory: float
+    comm: float
+
+    @property
+    def total(self) -> float:
+        return max(self.compute, self.memory) + self.comm
+
+
+def comm_bytes_per_token(config: Config, world_size: int, dtype_bytes: int = 4) -> dict[str, int]:
+    """Bytes one rank contributes to collectives per token in a full forward pass.
+
+    {"all_reduce": (2·num_hidden_layers + 1) · hidden_size · dtype_bytes,
+     "all_gather": vocab_size / world_size · dtype_bytes}; both 0 when world_size == 1.
+    """
+    raise NotImplementedError("stage07: comm_bytes_per_token — see lab.ipynb §6")
+
+
+def weights_per_rank(config: Config, tp: int) -> int:
+    """Weight elements one rank streams from memory per decode step: its slice of every linear
+    layer and of the LM head (the embedding lookup reads only a few rows; norms are negligible).
+    KV projections count this rank's (possibly replicated) KV heads."""
+    heads, kv_heads = local_head_counts(config, tp)
+    attn = config.hidden_size * config.head_dim * 2 * (heads + kv_heads)  # q, o and k, v
+    mlp = 3 * config.hidden_size * config.intermediate_size // tp
+    return config.num_hidden_layers * (attn + mlp) + config.vocab_size * config.hidden_size // tp
+
+
+def tp_step_time(
+    config: Config,
+    tp: int,
+    batch: int,
+    link_bandwidth: float,
+    link_latency: float,
+    flops: float,
+    hbm_bandwidth: float,
+    context: int = 0,
+    dtype_bytes: int = 2,
+) -> StepTime:
+    """Alpha-beta/roofline estimate of one decode step at tensor-parallel size tp.
+
+    Per rank, with W = weights_per_rank(config, tp), (h, kv) = local_head_counts(config, tp),
+    L layers, d = head_dim:
+      compute = (2·batch·W + 4·batch·context·L·h·d) / flops     (matmuls + attention over context)
+      memory  = (W + 2·batch·context·L·kv·d) · dtype_bytes / hbm_bandwidth   (weights + KV cache)
+      comm    = (2L + 1) ring all-reduces of batch·hidden·dtype_bytes bytes
+                + one ring all-gather of batch·(vocab/tp)·dtype_bytes bytes per rank; 0 at tp == 1
+    link_bandwidth in bytes/s, link_latency in s, flops in FLOP/s, hbm_bandwidth in bytes/s.
+    """
+    raise NotImplementedError("stage07: tp_step_time — see lab.ipynb §7")
