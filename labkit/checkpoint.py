@@ -81,6 +81,7 @@ def save(path: str | os.PathLike, config: dict, state: dict[str, torch.Tensor], 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a model folder is meant to be shared
     try:
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
