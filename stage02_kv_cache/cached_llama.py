@@ -1,0 +1,85 @@
+"""A Llama forward pass that reads and writes your KV cache.
+
+The weights and the unchanged parts of the block (embeddings, RMSNorm, MLP, lm_head, the RoPE
+tables) come from a loaded `labkit.model.Llama`; the attention, where the cache lives, is yours.
+
+One convention runs through the file: every token has an absolute position, and padding has
+position -1. Positions drive both RoPE and the mask, so a decode step, a prefill chunk, a
+left-padded batch and (in sliding_window.py) a ring buffer all use the same code.
+"""
+
+import math  # noqa: F401
+
+import torch
+
+from labkit.model import Attention, Llama, apply_rope, repeat_kv, rope_cos_sin  # noqa: F401
+
+
+def token_positions(start: int, T: int, pad: torch.Tensor | None = None) -> torch.Tensor:
+    """Absolute positions of T tokens that follow `start` cached slots.
+
+    start: how many slots each row's cache already holds (0 for a prefill, cache length for a decode step)
+    pad:   (B,) int64 number of left-padding slots of each row, or None (no padding, B = 1)
+    returns (B, T) int64: slot start + t of row b holds position start + t - pad[b], or -1 for padding.
+    """
+    raise NotImplementedError("stage02: token_positions — see lab.ipynb §3")
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Which keys each query may attend to.
+
+    q_pos: (B, T) int64 positions of the queries; k_pos: (B, S) int64 positions of the keys (-1 = padding)
+    window: if set, a query at p sees only keys in (p - window, p] (Mistral's sliding window)
+    returns (B, 1, T, S) bool, True = attend: the key is not padding and not in the query's future.
+    """
+    raise NotImplementedError("stage02: attention_mask — see lab.ipynb §3")
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q kᵀ / sqrt(head_dim) + mask) v, with grouped-query heads.
+
+    q: (B, n_heads, T, head_dim); k, v: (B, n_kv_heads, S, head_dim) float32, n_heads a multiple of n_kv_heads
+    mask: (B, 1, T, S) bool (True = attend) or None (every key visible: a single decode query)
+    returns (B, n_heads, T, head_dim). Query head h reads KV head h // (n_heads // n_kv_heads).
+    A query row with no visible key (a padding slot) must come out finite, not NaN.
+    """
+    raise NotImplementedError("stage02: attention — see lab.ipynb §4")
+
+
+def attention_block(attn: Attention, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache=None):
+    """Self-attention of one layer with a KV cache.
+
+    attn:      a `labkit.model.Attention` (q_proj, k_proj, v_proj, o_proj; its config is attn.c)
+    x:         (B, T, hidden) float32, already normalised by input_layernorm
+    positions: (B or 1, T) int64 absolute positions of the T new tokens (see token_positions)
+    mask:      (B, 1, T, S) bool over every key attention will see, or None
+    cache:     a LayerCache (anything with append(k, v) -> all keys, values) or None
+    returns    (B, T, hidden). Keys are rotated before they are cached, so a cached key is
+               never rotated again; the cache stores n_kv_heads heads, not n_heads.
+    """
+    raise NotImplementedError("stage02: attention_block — see lab.ipynb §4")
+
+
+def decoder(model: Llama, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None, cache=None):
+    """The rest of the Llama forward pass around attention_block (given). Returns logits (B, T, vocab)."""
+    x = model.model.embed_tokens(input_ids)
+    for i, layer in enumerate(model.model.layers):
+        layer_cache = cache.layers[i] if cache is not None else None
+        x = x + attention_block(layer.self_attn, layer.input_layernorm(x), positions, mask, layer_cache)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(model.model.norm(x))
+
+
+@torch.no_grad()
+def forward(model: Llama, input_ids: torch.Tensor, cache=None, pad: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits (B, T, vocab) for input_ids (B, T) that follow what `cache` holds (given).
+
+    Without a cache this is the plain full forward pass. With one, the T tokens are appended;
+    pad (B,) gives each row's number of left-padding slots (generate_batched).
+    """
+    T = input_ids.shape[1]
+    start = 0 if cache is None else cache.length
+    q_pos = token_positions(start, T, pad)
+    # A single query with nothing padded sees every cached key: no mask needed.
+    mask = None if T == 1 and pad is None else attention_mask(q_pos, token_positions(0, start + T, pad))
+    return decoder(model, input_ids, q_pos, mask, cache)

@@ -1,0 +1,64 @@
+"""A contiguous KV cache: one preallocated K and V buffer per layer and a length counter.
+
+The buffers are allocated once, at the largest size the request may reach, so a decode step
+writes one slot instead of growing a tensor. That up-front reservation is exactly the memory
+waste paging (stage 04) removes.
+"""
+
+import torch
+
+
+class LayerCache:
+    """K and V of one layer: `k`, `v` are (B, n_kv_heads, max_seq, head_dim), `length` slots are valid.
+
+    Only the KV heads are stored (GQA): query heads share them at attention time.
+    """
+
+    def __init__(self, batch: int, n_kv_heads: int, max_seq: int, head_dim: int, dtype: torch.dtype = torch.float32):
+        self.k = torch.zeros(batch, n_kv_heads, max_seq, head_dim, dtype=dtype)
+        self.v = torch.zeros(batch, n_kv_heads, max_seq, head_dim, dtype=dtype)
+        self.max_seq = max_seq
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, n_kv_heads, T, head_dim) at slots [length, length + T); advance length by T.
+
+        Returns the valid prefix (B, n_kv_heads, length + T, head_dim) of K and of V: views of
+        the buffers, no copy. Raises ValueError, before writing anything, if T new slots do not fit.
+        """
+        raise NotImplementedError("stage02: LayerCache.append — see lab.ipynb §2")
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n positions and forget the rest (speculative decoding rolls back this way).
+
+        The slots are not cleared: the next append overwrites them. Raises ValueError unless 0 <= n <= length.
+        """
+        raise NotImplementedError("stage02: LayerCache.truncate — see lab.ipynb §2")
+
+
+class KVCache:
+    """One `layer_type` cache per decoder layer, all advancing together."""
+
+    layer_type = LayerCache
+
+    def __init__(self, config, batch: int, max_seq: int, dtype: torch.dtype = torch.float32):
+        self.layers = [
+            self.layer_type(batch, config.num_key_value_heads, max_seq, config.head_dim, dtype)
+            for _ in range(config.num_hidden_layers)
+        ]
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def truncate(self, n: int) -> None:
+        for layer in self.layers:
+            layer.truncate(n)
