@@ -1,0 +1,13 @@
+"""Stage 05: online softmax, tiled attention, and FlashAttention / FlashDecoding kernels in Triton.
+
+Without a CUDA GPU the kernels run in Triton's interpreter (NumPy on the CPU). The switch is read
+when `@triton.jit` decorates a kernel, so it is set here, before any kernel module is imported.
+An explicit TRITON_INTERPRET in the environment wins (the ahead-of-time compile check sets it to 0).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
