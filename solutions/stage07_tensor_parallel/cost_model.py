@@ -37,8 +37,8 @@ LLAMA3_70B = Config(
 # H100 SXM dense BF16 and HBM3 figures (the course plan's); the links are nominal per-direction
 # bandwidths with an assumed per-step latency: planning numbers, not measurements.
 H100 = dict(flops=989e12, hbm_bandwidth=3.35e12)
-NVLINK = dict(link_bandwidth=450e9, link_latency=3e-6)  # NVLink 4: 900 GB/s both directions
-PCIE = dict(link_bandwidth=64e9, link_latency=10e-6)  # PCIe 5.0 x16
+NVLINK = dict(link_bandwidth=450e9, link_latency=1e-6)  # NVLink 4: 900 GB/s both directions
+PCIE = dict(link_bandwidth=64e9, link_latency=4e-6)  # PCIe 5.0 x16
 
 
 @dataclass

@@ -1,0 +1,179 @@
+"""Stage 07: tensor-parallel decode latency on this CPU (TP=1 vs TP=2) and the alpha-beta model's
+predictions for Llama-3-70B on H100s over NVLink and PCIe.
+
+    make bench STAGE=07
+
+On a laptop CPU, TP=2 is honestly slower: the tiny model's per-layer matmuls take microseconds,
+while each gloo all-reduce over loopback costs far more, and a token needs 2·layers + 1 of them.
+TP pays off when what it divides (each GPU's HBM read of its weight shard, milliseconds for a
+70B model) is much larger than what it adds (2·layers + 1 all-reduce latencies over NVLink).
+The run below measures both sides on this machine and feeds the measured all-reduce latency into
+the same cost model, so the prediction and the measurement sit side by side.
+"""
+
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import labkit
+from labkit import bench, plot
+from labkit.distributed import launch
+from labkit.impl import load
+from labkit.model import Config, Llama, init_weights
+from labkit.model import load as load_model
+
+CONTEXT = 64
+
+
+def _target() -> tuple[Llama, str]:
+    if (labkit.TARGET / "config.json").is_file():
+        return load_model(labkit.TARGET), "tiny target"
+    return init_weights(
+        Llama(Config()), seed=0
+    ).eval(), "random-init model of the target's shape (target not trained yet)"
+
+
+def _decode_worker(steps: int) -> dict:
+    """On every rank: median decode-step time, and how much of it was spent inside collectives."""
+    tp = load("stage07_tensor_parallel.tp_model")
+    full, _ = _target()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = tp.TPLlama(full.config).eval()
+    model.load_state_dict(tp.shard_state_dict(full.state_dict(), rank, world, full.config))
+
+    in_comm = [0.0]
+    for name in ("all_reduce", "all_gather"):  # time the collectives the layers make
+        original = getattr(dist, name)
+
+        def timed(*args, _fn=original, **kwargs):
+            t0 = time.perf_counter()
+            out = _fn(*args, **kwargs)
+            in_comm[0] += time.perf_counter() - t0
+            return out
+
+        setattr(dist, name, timed)
+
+    token = torch.ones(1, 1, dtype=torch.long)
+    step_s, comm_s = [], []
+    with torch.no_grad():
+        cache = model.new_cache(1, CONTEXT + steps + 1)
+        model(torch.ones(1, CONTEXT, dtype=torch.long), cache)
+        for _ in range(steps):
+            dist.barrier()  # start every step together, as a GPU stream would
+            in_comm[0] = 0.0
+            t0 = time.perf_counter()
+            model(token, cache)
+            step_s.append(time.perf_counter() - t0)
+            comm_s.append(in_comm[0])
+        x = torch.zeros(1, 1, full.config.hidden_size)
+        bench.measure(lambda: dist.all_reduce(x), repeats=5, warmup=5)  # warm the links
+        all_reduce_s = bench.measure(lambda: dist.all_reduce(x), repeats=100, warmup=10).median if world > 1 else 0.0
+    return {
+        "step_s": statistics.median(step_s),
+        "comm_s": statistics.median(comm_s),
+        "all_reduce_s": all_reduce_s,
+    }
+
+
+def main(quick: bool = False) -> None:
+    cost = load("stage07_tensor_parallel.cost_model")
+    full, which = _target()
+    c = full.config
+    steps = 20 if quick else 60
+    print(
+        f"model: {which}, {full.num_params() / 1e6:.2f}M params, {c.num_hidden_layers} layers; decode after {CONTEXT} tokens"
+    )
+
+    # --- measured on this CPU: each rank gets one core (TP=2 uses both), plus TP=1 on both cores
+    runs = [("TP=1, 1 thread", 1, 1), ("TP=1, 2 threads", 1, 2), ("TP=2, 1 thread/rank", 2, 1)]
+    measured = {}
+    for label, world, threads in runs:
+        per_rank = launch(_decode_worker, world, steps, threads=threads, timeout=300)
+        measured[label] = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+    base, tp2 = measured["TP=1, 1 thread"], measured["TP=2, 1 thread/rank"]
+    n_collectives = 2 * c.num_hidden_layers + 1 + 1
+    # The cost model with this machine's numbers: the compute halves, each collective costs alpha.
+    predicted_comm = n_collectives * tp2["all_reduce_s"]
+    predicted_tp2 = base["step_s"] / 2 + predicted_comm
+    rows = [
+        {"run": label, "ms/token": m["step_s"] * 1e3, "in collectives (ms)": m["comm_s"] * 1e3}
+        for label, m in measured.items()
+    ]
+    rows.append(
+        {
+            "run": "TP=2 predicted (TP=1/2 + 18 x alpha)",
+            "ms/token": predicted_tp2 * 1e3,
+            "in collectives (ms)": predicted_comm * 1e3,
+        }
+    )
+    print(bench.table(rows, title="measured on this CPU (gloo over loopback), median per decode step"))
+    slowdown = tp2["step_s"] / base["step_s"]
+    print(
+        f"\nTP=2 / TP=1 time per token: {slowdown:.2f}x. Why: one gloo all-reduce of a {c.hidden_size}-float vector "
+        f"costs {tp2['all_reduce_s'] * 1e6:.0f} us here (alpha), a token needs {n_collectives} collectives "
+        f"({n_collectives * tp2['all_reduce_s'] * 1e3:.2f} ms), while the whole TP=1 step computes in "
+        f"{base['step_s'] * 1e3:.2f} ms, so halving it saves at most {base['step_s'] / 2 * 1e3:.2f} ms."
+    )
+
+    # --- predicted: Llama-3-70B decode, batch 1, on H100s
+    planning = []
+    for link_name, link in (("NVLink", cost.NVLINK), ("PCIe", cost.PCIE)):
+        for p in (1, 2, 4, 8):
+            t = cost.tp_step_time(cost.LLAMA3_70B, p, 1, **link, **cost.H100, context=1024)
+            planning.append({"link": link_name, "TP": p, "ms/token": t.total * 1e3, "HBM (ms)": t.memory * 1e3,
+                             "compute (ms)": t.compute * 1e3, "comm (ms)": t.comm * 1e3})  # fmt: skip
+    print()
+    print(
+        bench.table(
+            planning, title="cost model: Llama-3-70B bf16, batch 1, context 1024, H100 (989 TFLOP/s, 3.35 TB/s)"
+        )
+    )
+    nv = {r["TP"]: r["ms/token"] for r in planning if r["link"] == "NVLink"}
+    pc = {r["TP"]: r["ms/token"] for r in planning if r["link"] == "PCIe"}
+    print(f"\npredicted TP=8 vs TP=1 speed-up: NVLink {nv[1] / nv[8]:.1f}x, PCIe {pc[1] / pc[8]:.1f}x")
+
+    out = {
+        "machine": bench.machine(),
+        "model": which,
+        "measured": measured,
+        "tp2_over_tp1": slowdown,
+        "tp2_predicted_s": predicted_tp2,
+        "llama3_70b_planning": planning,
+    }
+    plot.RESULTS.mkdir(exist_ok=True)
+    (plot.RESULTS / "stage07.json").write_text(json.dumps(out, indent=2) + "\n")
+    _plot(measured, predicted_tp2, predicted_comm, planning)
+
+
+def _plot(measured, predicted_tp2, predicted_comm, planning) -> None:
+    plt = plot.setup()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    labels = [*measured, "TP=2 predicted"]
+    comm = [m["comm_s"] * 1e3 for m in measured.values()] + [predicted_comm * 1e3]
+    total = [m["step_s"] * 1e3 for m in measured.values()] + [predicted_tp2 * 1e3]
+    ax1.bar(labels, [t - c for t, c in zip(total, comm, strict=True)], label="compute + Python")
+    ax1.bar(labels, comm, bottom=[t - c for t, c in zip(total, comm, strict=True)], label="inside collectives")
+    ax1.set_ylabel("ms per token")
+    ax1.set_title("this CPU: tiny target, gloo")
+    ax1.tick_params(axis="x", labelsize=8)
+    ax1.legend()
+    for i, link in enumerate(("NVLink", "PCIe")):
+        rows = [r for r in planning if r["link"] == link]
+        x = [j + (i - 0.5) * 0.38 for j in range(len(rows))]
+        device = [max(r["HBM (ms)"], r["compute (ms)"]) for r in rows]
+        ax2.bar(x, device, width=0.36, color=f"C{i}", label=f"{link}: HBM-bound weights + KV")
+        ax2.bar(x, [r["comm (ms)"] for r in rows], width=0.36, bottom=device, color=f"C{i}", alpha=0.45,
+                hatch="//", label=f"{link}: all-reduces")  # fmt: skip
+    ax2.set_xticks(range(4), [f"TP={r['TP']}" for r in planning[:4]])
+    ax2.set_ylabel("ms per token (predicted)")
+    ax2.set_title("cost model: Llama-3-70B decode, batch 1, H100")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    print(f"plot: {plot.save(fig, 'stage07')}")
+
+
+if __name__ == "__main__":
+    main()
