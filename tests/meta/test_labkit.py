@@ -169,12 +169,10 @@ def test_impl_switch(monkeypatch):
         impl.load("stage99_nothing.module", impl="solution")
 
 
-assets = pytest.mark.skipif(
     not (labkit.DRAFT / "config.json").exists(), reason="tiny models not trained (python -m labkit.train)"
 )
 
 
-@assets
 @pytest.mark.parametrize("path", [labkit.TARGET, labkit.DRAFT], ids=["target", "draft"])
 def test_tiny_models_load_offline_with_transformers(path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -188,7 +186,6 @@ def test_tiny_models_load_offline_with_transformers(path, monkeypatch):
     assert tok.decode(ids[0]) == "Once upon a time, there was a"
 
 
-@assets
 def test_tiny_models_fit_the_course():
     target, draft = (
         Config.from_hf(checkpoint.read_config(labkit.TARGET)),
