@@ -1,0 +1,249 @@
+"""The continuous-batching engine: labkit's Llama weights run over the paged KV cache.
+
+    engine = LLMEngine(model, tokenizer)
+    outputs = engine.generate(["Once upon a time"], SamplingParams(max_tokens=32))
+
+Each step() asks the scheduler for a batch, runs ONE forward pass over all its tokens (prefill
+chunks and decodes packed together), samples a token for every sequence whose prompt is fully
+computed, and returns what changed for streaming.
+"""
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from labkit.model import Llama, apply_rope, rope_cos_sin
+
+from .block_manager import BlockManager
+from .paged_attention import PagedKVCache, paged_attention, slot_mapping
+from .scheduler import Scheduler
+from .sequence import SamplingParams, Sequence
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every output token so far
+    text: str  # detokenized output so far ("" without a tokenizer)
+    delta_text: str  # text that is new since the last output of this request
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS or a stop string), "length", "abort"
+    num_cached_tokens: int
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """One token id from logits (vocab,) float32.
+
+    temperature 0 -> argmax. Otherwise softmax(logits / temperature) restricted to the top_k largest
+    logits (if top_k > 0) and then to the smallest set of tokens whose probability reaches top_p (if
+    top_p < 1), renormalized, sampled with `generator` (a per-request seed makes it reproducible).
+    """
+    if params.temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_logits, -1)
+        outside = torch.cumsum(probs, -1) - probs >= params.top_p  # the mass before it already reaches top_p
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(outside, float("-inf")))
+    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+
+
+def find_stop(text: str, stops: list[str]) -> int | None:
+    """Index where the earliest stop string starts in text, or None."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def safe_length(text: str, stops: list[str]) -> int:
+    """How much of a not-yet-finished text can be streamed: hold back a trailing broken UTF-8 sequence
+    (decoded as U+FFFD) and any tail that could still grow into a stop string."""
+    end = len(text)
+    while end and text[end - 1] == "\ufffd":
+        end -= 1
+    held = max((k for s in stops for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
+    return end - held
+
+
+@torch.no_grad()
+def forward_paged(
+    model: Llama,
+    cache: PagedKVCache,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_lens: torch.Tensor,
+) -> torch.Tensor:
+    """labkit's Llama over a packed batch: N tokens of B sequences -> logits (B, vocab) of each last token.
+
+    input_ids, positions, slots: (N,) int64; block_tables (B, max_blocks); context_lens, query_lens (B,).
+    Linear layers see all N tokens at once (that is the batching win); attention goes through the pool.
+    """
+    c = model.config
+    N = len(input_ids)
+    x = model.model.embed_tokens(input_ids)  # (N, hidden)
+    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)  # (N, head_dim)
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(N, c.num_attention_heads, c.head_dim)
+        k = attn.k_proj(h).view(N, c.num_key_value_heads, c.head_dim)
+        v = attn.v_proj(h).view(N, c.num_key_value_heads, c.head_dim)
+        q = apply_rope(q.transpose(0, 1), cos, sin).transpose(0, 1)
+        k = apply_rope(k.transpose(0, 1), cos, sin).transpose(0, 1)
+        cache.write(i, k, v, slots)
+        y = paged_attention(q, cache.k[i], cache.v[i], block_tables, context_lens, query_lens)
+        x = x + attn.o_proj(y.reshape(N, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    last = torch.cumsum(query_lens, 0) - 1
+    return model.lm_head(model.model.norm(x[last])).float()
+
+
+def run_batch(model: Llama, cache: PagedKVCache, seqs: list[Sequence], num_tokens: list[int]) -> torch.Tensor:
+    """Pack the next num_tokens[b] tokens of every sequence into flat tensors and run forward_paged:
+    logits (B, vocab) at each sequence's last computed token."""
+    ids, positions, slots = [], [], []
+    for seq, n in zip(seqs, num_tokens, strict=True):
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        ids += seq.token_ids[start:end]
+        positions += range(start, end)
+        slots += slot_mapping(seq.block_table, start, end, cache.block_size)
+    width = max(len(s.block_table) for s in seqs)
+    tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    return forward_paged(
+        model,
+        cache,
+        torch.tensor(ids),
+        torch.tensor(positions),
+        torch.tensor(slots),
+        torch.tensor(tables),
+        torch.tensor([s.num_computed_tokens + n for s, n in zip(seqs, num_tokens, strict=True)]),
+        torch.tensor(num_tokens),
+    )
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: Llama,
+        tokenizer=None,
+        num_blocks: int = 256,
+        block_size: int = 16,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        enable_prefix_caching: bool = True,
+    ):
+        """model: labkit Llama (eval); tokenizer: a `tokenizers.Tokenizer`, needed for str prompts and text."""
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.cache = PagedKVCache(model.config, num_blocks, block_size, next(model.parameters()).dtype)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.max_model_len = min(model.config.max_position_embeddings, num_blocks * block_size)
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; returns its id. Raises ValueError if it can never fit the context or the pool."""
+        params = params or SamplingParams()
+        ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
+                f"context length of {self.max_model_len} tokens"
+            )
+        seq = Sequence(request_id, ids, params)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request wherever it is and free its blocks (unknown or finished ids are ignored)."""
+        seq = self.requests.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+            seq.finish_time = time.perf_counter()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling decision and one forward pass; outputs of the requests that got a token."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        for src, dst in batch.blocks_to_copy:
+            self.cache.copy_block(src, dst)
+        logits = run_batch(self.model, self.cache, batch.seqs, batch.num_tokens)
+        outputs = []
+        for seq, n, row in zip(batch.seqs, batch.num_tokens, logits, strict=True):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that has not reached the end of the prompt yet
+            seq.token_ids.append(sample(row, seq.params, seq.generator))
+            seq.first_token_time = seq.first_token_time or time.perf_counter()
+            outputs.append(self._update(seq))
+        return outputs
+
+    def generate(
+        self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; final outputs in prompt order."""
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def _update(self, seq: Sequence) -> RequestOutput:
+        """After a new token: detokenize, check EOS / stop strings / max_tokens, and stream the safe delta."""
+        p = seq.params
+        reason = None
+        if seq.token_ids[-1] == self.model.config.eos_token_id and not p.ignore_eos:
+            reason = "stop"
+        elif len(seq.output_token_ids) >= p.max_tokens:
+            reason = "length"
+        if self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(seq.output_token_ids)
+            cut = find_stop(seq.text, p.stop)
+            if cut is not None:
+                seq.text, reason = seq.text[:cut], "stop"
+        if reason:
+            self.scheduler.finish(seq, reason)
+            self.requests.pop(seq.request_id, None)
+            seq.finish_time = time.perf_counter()
+        end = len(seq.text) if reason else safe_length(seq.text, p.stop)
+        delta, seq.num_sent_chars = seq.text[seq.num_sent_chars : end], max(end, seq.num_sent_chars)
+        return RequestOutput(
+            seq.request_id,
+            seq.token_ids[: seq.num_prompt_tokens],
+            seq.output_token_ids,
+            seq.text,
+            delta,
+            reason is not None,
+            reason,
+            seq.num_cached_tokens,
+            seq.arrival_time,
+            seq.first_token_time,
+            seq.finish_time,
+        )

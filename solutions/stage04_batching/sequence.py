@@ -1,0 +1,83 @@
+"""One request as the engine sees it: its tokens, how many have KV in the cache, its block table."""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How one request decodes. temperature 0 means greedy; top_k 0 and top_p 1 switch those filters off."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """token_ids = prompt + output so far. Positions [0, num_computed_tokens) have K/V in the paged cache;
+    the next step computes [num_computed_tokens, num_computed_tokens + n) for the n tokens it schedules.
+    Preemption resets num_computed_tokens to 0 and keeps the output, so recompute re-prefills both."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt; pass at least one token")
+        self.request_id = request_id
+        self.params = params
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served by prefix-cache hits (last admission)
+        self.block_table: list[int] = []
+        self.status = Status.WAITING
+        self.finish_reason: str | None = None
+        self.text = ""  # detokenized output, cut at a stop string
+        self.num_sent_chars = 0  # how much of `text` has been streamed
+        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def num_blocks_needed(self, block_size: int) -> int:
+        """Blocks that hold every token so far (ceil(num_tokens / block_size))."""
+        return -(-self.num_tokens // block_size)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

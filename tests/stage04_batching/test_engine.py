@@ -1,0 +1,186 @@
+"""The continuous-batching engine: every request's greedy output equals generating it alone with
+labkit's contiguous-cache model, whatever the batching, chunking, preemption or prefix hits."""
+
+import pytest
+import torch
+
+from conftest import CONFIGS, TokenCounter, make_model, random_prompts, reference
+
+
+def _engine(impl, model, **kw):
+    return impl("stage04_batching.engine").LLMEngine(model, **kw)
+
+
+def _params(impl, **kw):
+    return impl("stage04_batching.sequence").SamplingParams(**kw)
+
+
+def _check_same(outs, ref, seed, what):
+    for i, (o, r) in enumerate(zip(outs, ref, strict=True)):
+        assert o.token_ids == r, f"seed={seed}, {what}: request {i} gave {o.token_ids}, generated alone {r}"
+
+
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+def test_batched_greedy_equals_each_request_alone(impl, config):
+    seed = list(CONFIGS).index(config)
+    model = make_model(seed, **CONFIGS[config])
+    prompts = random_prompts(seed, 8, 1, 60)
+    max_tokens = [5 + 4 * i for i in range(8)]
+    engine = _engine(impl, model, num_blocks=64, max_num_seqs=8)
+    outs = engine.generate(prompts, [_params(impl, max_tokens=n) for n in max_tokens])
+    _check_same(outs, reference(model, prompts, max_tokens), seed, config)
+    assert engine.block_manager.num_used_blocks == 0, f"seed={seed}: finished requests must free their blocks"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_one_forward_pass_per_step_admits_new_requests_mid_flight(impl, seed):
+    model = make_model(seed)
+    counter = TokenCounter(model)
+    engine = _engine(impl, model, num_blocks=64, max_num_seqs=4)
+    first, second = random_prompts(seed, 2, 10, 30)
+    engine.add_request(first, _params(impl, max_tokens=30, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    counter.sizes.clear()
+    engine.add_request(second, _params(impl, max_tokens=5, ignore_eos=True))
+    engine.step()
+    assert counter.sizes == [1 + len(second)], (
+        f"seed={seed}: the step after a new arrival should run ONE forward over the running request's decode "
+        f"token plus the new prompt ({1 + len(second)} tokens), got forwards of {counter.sizes}"
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_chunked_prefill_respects_the_token_budget_and_keeps_outputs(impl, seed):
+    model = make_model(seed)
+    counter = TokenCounter(model)
+    prompts = random_prompts(seed, 6, 20, 90)
+    max_tokens = [12] * 6
+    engine = _engine(impl, model, num_blocks=64, max_num_seqs=6, max_num_batched_tokens=24)
+    outs = engine.generate(prompts, [_params(impl, max_tokens=n) for n in max_tokens])
+    assert max(counter.sizes) <= 24, f"seed={seed}: a step computed {max(counter.sizes)} tokens, budget is 24"
+    _check_same(outs, reference(model, prompts, max_tokens), seed, "chunked prefill")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_scheduler_never_exceeds_its_budgets(impl, seed):
+    model = make_model(seed)
+    engine = _engine(impl, model, num_blocks=40, max_num_seqs=3, max_num_batched_tokens=16)
+    for p in random_prompts(seed, 7, 1, 40):
+        engine.add_request(p, _params(impl, max_tokens=10, ignore_eos=True))
+    sched = engine.scheduler
+    steps = 0
+    while engine.has_unfinished_requests() and steps < 500:
+        out = sched.schedule()
+        assert sum(out.num_tokens) <= 16, f"seed={seed}: {sum(out.num_tokens)} tokens in one step, budget 16"
+        assert len(sched.running) <= 3, f"seed={seed}: {len(sched.running)} running, max_num_seqs is 3"
+        for s, n in zip(out.seqs, out.num_tokens, strict=True):
+            assert len(s.block_table) * 16 >= s.num_computed_tokens + n, f"seed={seed}: {s} lacks blocks for {n}"
+        # finish the step the way the engine would, with a dummy token
+        for s, n in zip(out.seqs, out.num_tokens, strict=True):
+            s.num_computed_tokens += n
+            if s.num_computed_tokens == s.num_tokens:
+                s.token_ids.append(5)
+                if len(s.output_token_ids) >= 10:
+                    sched.finish(s, "length")
+        steps += 1
+    assert not engine.has_unfinished_requests(), f"seed={seed}: the scheduler stalled"
+    assert engine.block_manager.num_used_blocks == 0, f"seed={seed}: blocks leaked"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_preempted_requests_finish_with_the_same_output(impl, seed):
+    model = make_model(seed)
+    prompts = random_prompts(seed, 6, 10, 40)
+    max_tokens = [40] * 6
+    engine = _engine(impl, model, num_blocks=14, max_num_seqs=6, block_size=8)
+    preempted = []
+    original = engine.scheduler.preempt
+    engine.scheduler.preempt = lambda seq: (preempted.append(seq.request_id), original(seq))[1]
+    outs = engine.generate(prompts, [_params(impl, max_tokens=n, ignore_eos=True) for n in max_tokens])
+    assert preempted, f"seed={seed}: 14 blocks of 8 cannot hold 6 requests of up to 80 tokens: expected preemption"
+    ref = [model.generate(p, n, stop_at_eos=False) for p, n in zip(prompts, max_tokens, strict=True)]
+    _check_same(outs, ref, seed, f"preemption of {preempted}")
+    assert engine.block_manager.num_used_blocks == 0, f"seed={seed}: blocks leaked after preemption"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_shared_system_prompt_computes_only_the_suffix(impl, seed):
+    model = make_model(seed)
+    counter = TokenCounter(model)
+    system, suffix_a, suffix_b = random_prompts(seed, 1, 64, 64)[0], *random_prompts(seed + 10, 2, 3, 20)
+    engine = _engine(impl, model, num_blocks=64)
+    a = engine.generate([system + suffix_a], _params(impl, max_tokens=6))[0]
+    counter.tokens = 0
+    b = engine.generate([system + suffix_b], _params(impl, max_tokens=6))[0]
+    prefill = counter.tokens - (len(b.token_ids) - 1)  # every output token but the last is fed back once
+    assert prefill == len(suffix_b), (
+        f"seed={seed}: the 64-token system prompt is 4 cached blocks; the second request should prefill only "
+        f"its {len(suffix_b)}-token suffix, it computed {prefill}"
+    )
+    assert b.num_cached_tokens == 64, f"seed={seed}: num_cached_tokens {b.num_cached_tokens}, expected 64"
+    _check_same([a, b], reference(model, [system + suffix_a, system + suffix_b], [6, 6]), seed, "prefix hit")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_repeated_prompt_full_hit_still_produces_the_first_token(impl, seed):
+    model = make_model(seed)
+    prompt = random_prompts(seed, 1, 48, 48)[0]
+    engine = _engine(impl, model, num_blocks=32)
+    first = engine.generate([prompt], _params(impl, max_tokens=8))[0]
+    again = engine.generate([prompt], _params(impl, max_tokens=8))[0]
+    assert again.num_cached_tokens > 0, f"seed={seed}: the repeated prompt should hit the prefix cache"
+    _check_same([first, again], reference(model, [prompt, prompt], [8, 8]), seed, "full prefix hit")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_cached_blocks_are_evicted_under_pressure_and_outputs_stay_right(impl, seed):
+    model = make_model(seed)
+    prompts = random_prompts(seed, 10, 30, 60)
+    engine = _engine(impl, model, num_blocks=12, max_num_seqs=2)
+    outs = [engine.generate([p], _params(impl, max_tokens=6))[0] for p in prompts + prompts[:2]]
+    bm = engine.block_manager
+    assert len(bm.cached) <= bm.num_blocks, f"seed={seed}: more cached hashes than blocks"
+    assert all(bm.blocks[b].block_hash == h for h, b in bm.cached.items()), f"seed={seed}: a stale hash survived"
+    _check_same(outs, reference(model, prompts + prompts[:2], [6] * 12), seed, "eviction")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_abort_frees_every_block(impl, seed):
+    model = make_model(seed)
+    engine = _engine(impl, model, num_blocks=32, max_num_seqs=2)
+    ids = [engine.add_request(p, _params(impl, max_tokens=50, ignore_eos=True)) for p in random_prompts(seed, 4, 5, 40)]
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.num_used_blocks > 0, f"seed={seed}: running requests should hold blocks"
+    for rid in ids:
+        engine.abort(rid)
+    assert not engine.has_unfinished_requests(), f"seed={seed}: aborted requests must leave both queues"
+    assert engine.block_manager.num_used_blocks == 0, f"seed={seed}: abort must free every block"
+    assert engine.step() == [], f"seed={seed}: nothing is left to run"
+
+
+def test_prompt_that_cannot_fit_is_rejected(impl):
+    engine = _engine(impl, make_model(0), num_blocks=4, block_size=16)
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request(list(range(3, 60)), _params(impl, max_tokens=10))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_static_batching_baseline_matches_each_request_alone(impl, seed):
+    model = make_model(seed)
+    prompts = random_prompts(seed, 5, 1, 40)
+    max_tokens = [3, 9, 5, 12, 7]
+    got = impl("stage04_batching.baselines").static_batching(model, prompts, max_tokens, batch_size=3)
+    ref = [model.generate(p, n, stop_at_eos=False) for p, n in zip(prompts, max_tokens, strict=True)]
+    _check_same(got, ref, seed, "static batching")
+
+
+def test_pool_has_one_block_tensor_per_layer_in_the_model_dtype(impl):
+    model = make_model(3)
+    engine = _engine(impl, model, num_blocks=8)
+    assert engine.cache.k[0].dtype == torch.float32 and engine.cache.k[0].shape == (8, 16, 2, 16), (
+        "pool: (num_blocks, block_size, n_kv_heads, head_dim)"
+    )
+    out = engine.generate([[5, 6, 7]], _params(impl, max_tokens=4))[0]
+    assert out.token_ids == model.generate([5, 6, 7], 4), "a 3-token prompt decodes like labkit's model"

@@ -1,0 +1,113 @@
+"""Sampling (temperature, top-k, top-p, per-request seeds) and stopping (EOS, max_tokens, stop strings)."""
+
+import pytest
+import torch
+
+from conftest import make_model, random_prompts
+
+
+def _params(impl, **kw):
+    return impl("stage04_batching.sequence").SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_temperature_sampling_follows_the_softmax(impl, seed):
+    sample = impl("stage04_batching.engine").sample
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, generator=gen) * 2
+    params = _params(impl, temperature=0.7)
+    counts = torch.bincount(torch.tensor([sample(logits, params, gen) for _ in range(3000)]), minlength=6)
+    expected = torch.softmax(logits / 0.7, -1)
+    assert (counts / 3000 - expected).abs().max() < 0.035, (
+        f"seed={seed}: frequencies {counts / 3000} should match softmax(logits / T) = {expected}"
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_top_k_and_top_p_keep_exactly_their_support(impl, seed):
+    sample = impl("stage04_batching.engine").sample
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(20, generator=gen) * 2
+    order = logits.argsort(descending=True).tolist()
+    got = {sample(logits, _params(impl, temperature=1.0, top_k=3), gen) for _ in range(400)}
+    assert got == set(order[:3]), f"seed={seed}: top_k=3 should sample exactly the 3 largest {order[:3]}, got {got}"
+    probs = torch.softmax(logits, -1)[order]
+    nucleus = int((torch.cumsum(probs, -1) < 0.6).sum()) + 1  # smallest set reaching 0.6
+    got = {sample(logits, _params(impl, temperature=1.0, top_p=0.6), gen) for _ in range(600)}
+    assert got == set(order[:nucleus]), f"seed={seed}: top_p=0.6 support should be {order[:nucleus]}, got {got}"
+    assert sample(logits, _params(impl, temperature=0.0), gen) == order[0], f"seed={seed}: temperature 0 is argmax"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_seeded_request_samples_the_same_alone_or_batched(impl, seed):
+    model = make_model(seed)
+    engine_mod = impl("stage04_batching.engine")
+    prompt, *others = random_prompts(seed, 5, 4, 30)
+    params = _params(impl, max_tokens=12, temperature=1.0, top_p=0.9, seed=1234 + seed, ignore_eos=True)
+    alone = engine_mod.LLMEngine(model, num_blocks=32).generate([prompt], params)[0]
+    noisy = [_params(impl, max_tokens=9, temperature=1.0, seed=i) for i in range(4)]
+    batched = engine_mod.LLMEngine(model, num_blocks=64).generate(
+        [*others[:2], prompt, *others[2:]], [*noisy[:2], params, *noisy[2:]]
+    )
+    assert batched[2].token_ids == alone.token_ids, (
+        f"seed={seed}: a request with its own seed must sample the same tokens whatever else is in the batch"
+    )
+    greedy = engine_mod.LLMEngine(model, num_blocks=32).generate(
+        [prompt], _params(impl, max_tokens=12, ignore_eos=True)
+    )
+    assert alone.token_ids != greedy[0].token_ids, f"seed={seed}: temperature 1.0 should not just be greedy"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_stop_string_ends_the_text_even_across_token_boundaries(impl, tokenizer, seed):
+    model = make_model(seed, vocab_size=tokenizer.get_vocab_size())
+    engine_mod = impl("stage04_batching.engine")
+    prompt = tokenizer.encode("Once upon a time").ids
+    free = engine_mod.LLMEngine(model, tokenizer, num_blocks=32).generate(
+        [prompt], _params(impl, max_tokens=40, ignore_eos=True)
+    )[0]
+    full = free.text
+    assert len(full) > 12, f"seed={seed}: need some text to cut, got {full!r}"
+    stop = full[5:8]  # three characters that may straddle tokens
+    cut = full.find(stop)
+    out = engine_mod.LLMEngine(model, tokenizer, num_blocks=32).generate(
+        [prompt], _params(impl, max_tokens=40, ignore_eos=True, stop=[stop])
+    )[0]
+    assert out.text == full[:cut], f"seed={seed}: stop={stop!r}: text should be {full[:cut]!r}, got {out.text!r}"
+    assert out.finish_reason == "stop", f"seed={seed}: a stop string finishes with reason 'stop'"
+    assert len(out.token_ids) < len(free.token_ids), f"seed={seed}: generation must halt at the stop string"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_eos_and_max_tokens_finish_with_their_reasons(impl, seed):
+    model = make_model(seed, vocab_size=11)  # a tiny vocabulary makes EOS (id 2) likely
+    engine_mod = impl("stage04_batching.engine")
+    outs = engine_mod.LLMEngine(model, num_blocks=64).generate(
+        random_prompts(seed, 8, 2, 10, vocab_size=11), _params(impl, max_tokens=30)
+    )
+    for o in outs:
+        if o.token_ids[-1] == 2:
+            assert o.finish_reason == "stop", f"seed={seed}: EOS should finish with 'stop'"
+            assert 2 not in o.token_ids[:-1], f"seed={seed}: generation must halt at the first EOS"
+        else:
+            assert o.finish_reason == "length" and len(o.token_ids) == 30, f"seed={seed}: max_tokens=30 ends it"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_streamed_deltas_concatenate_to_the_text_and_never_break_utf8(impl, tokenizer, seed):
+    model = make_model(seed, vocab_size=tokenizer.get_vocab_size())
+    engine = impl("stage04_batching.engine").LLMEngine(model, tokenizer, num_blocks=32)
+    # bias the model towards the byte tokens of multi-byte characters
+    multibyte = tokenizer.encode("ünïcode ✓ 日本語").ids
+    with torch.no_grad():
+        model.lm_head.weight[multibyte] += 0.3 * model.lm_head.weight[multibyte].sign()
+    rid = engine.add_request("héllo", _params(impl, max_tokens=40, ignore_eos=True, temperature=1.0, seed=seed))
+    deltas = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id == rid
+            deltas.append(out.delta_text)
+            final = out
+    assert not any("\ufffd" in d for d in deltas[:-1]), f"seed={seed}: a delta carried a broken UTF-8 sequence"
+    assert "".join(deltas) == final.text, f"seed={seed}: the deltas must add up to the final text"
+    assert final.text == tokenizer.decode(final.token_ids), f"seed={seed}: text must be the decoded output"
