@@ -1,0 +1,114 @@
+"""GPTQ (Frantar et al., 2022): quantize a weight one input column at a time and push each column's
+rounding error onto the columns not yet quantized, weighted by the inverse Hessian of the layer's
+reconstruction loss ||WX - W_hat X||². With calibration inputs X, that Hessian is H = 2/n Σ x xᵀ.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+from labkit.calibration import block_inputs, record_inputs
+
+from .primitives import quantize_groupwise
+from .quant_linear import QuantLinear
+
+
+class Hessian:
+    """Running H = 2/n Σ x xᵀ over every calibration token seen so far (n tokens in total)."""
+
+    def __init__(self, in_features: int):
+        self.H = torch.zeros(in_features, in_features)
+        self.n = 0
+
+    def add_batch(self, x: torch.Tensor) -> None:
+        """x: (..., in_features) — the inputs of one forward call; every row is one token.
+
+        Keeps H equal to 2/n Σ x xᵀ over all tokens so far, whatever the batch sizes were.
+        """
+        x = x.reshape(-1, x.shape[-1]).float()
+        m = x.shape[0]
+        self.H *= self.n / (self.n + m)
+        self.n += m
+        x = math.sqrt(2 / self.n) * x
+        self.H += x.T @ x
+
+
+@torch.no_grad()
+def gptq_quantize(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    bits: int = 4,
+    group_size: int = 128,
+    block_size: int = 128,
+    percdamp: float = 0.01,
+    act_order: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize W column by column with error feedback through the upper Cholesky factor of H⁻¹.
+
+    W: (out, in) float, H: (in, in) float (same dtype; float64 in, float64 arithmetic)
+    group_size divides in; block_size and group_size divide one another
+    act_order: visit columns by decreasing H_ii; the group grids are then fixed up front ("static
+               groups") so that scales stay in the original column order
+    returns codes (out, in) uint8, scales (out, in // group_size), zeros (out, in // group_size),
+            in the original column order, ready for QuantLinear.from_groupwise
+    """
+    W, H = W.clone(), H.clone()
+    out, n = W.shape
+    maxq = 2**bits - 1
+    dead = H.diag() == 0  # an input that is always 0: any weight works, pick 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+
+    perm = torch.argsort(H.diag(), descending=True) if act_order else torch.arange(n)
+    scales = W.new_zeros(out, n // group_size)
+    zeros = W.new_zeros(out, n // group_size)
+    if act_order:
+        _, s, z = quantize_groupwise(W, bits, group_size)
+        scales, zeros = s.to(W.dtype), z.to(W.dtype)
+    W, H = W[:, perm], H[perm][:, perm]
+
+    H.diagonal().add_(percdamp * H.diag().mean())
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+
+    codes = torch.zeros(out, n, dtype=torch.uint8)
+    for i1 in range(0, n, block_size):
+        i2 = min(i1 + block_size, n)
+        Err = W.new_zeros(out, i2 - i1)
+        for i in range(i1, i2):
+            g = int(perm[i]) // group_size
+            if not act_order and i % group_size == 0:  # fit the group's grid on its current weights
+                _, s, z = quantize_groupwise(W[:, i : i + group_size], bits, group_size)
+                scales[:, g], zeros[:, g] = s[:, 0], z[:, 0].to(W.dtype)
+            q = torch.clamp(torch.round(W[:, i] / scales[:, g]) + zeros[:, g], 0, maxq)
+            codes[:, i] = q.to(torch.uint8)
+            err = (W[:, i] - scales[:, g] * (q - zeros[:, g])) / Hinv[i, i]
+            W[:, i:i2] -= err[:, None] * Hinv[i, i:i2][None, :]  # error feedback inside the block
+            Err[:, i - i1] = err
+        W[:, i2:] -= Err @ Hinv[i1:i2, i2:]  # lazy batch update of everything after the block
+
+    return codes[:, torch.argsort(perm)], scales, zeros.to(torch.uint8)
+
+
+@torch.no_grad()
+def gptq_quantize_model(
+    model: nn.Module, calib: torch.Tensor, bits: int = 4, group_size: int = 128, act_order: bool = False
+) -> nn.Module:
+    """Quantize every Linear of every decoder layer with GPTQ, in place (lm_head stays float).
+
+    calib: (B, T) int64 calibration windows. Layers are done in order; each layer's Hessians come
+    from the outputs of the already-quantized layers before it, as in the GPTQ paper.
+    """
+    x, cos, sin, mask = block_inputs(model, calib)
+    for i, layer in enumerate(model.model.layers):
+        linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
+        with record_inputs(linears) as inputs:
+            layer(x, cos, sin, mask, None, i)
+        for name, linear in linears.items():
+            h = Hessian(linear.in_features)
+            for batch in inputs[name]:
+                h.add_batch(batch)
+            codes, scales, zeros = gptq_quantize(linear.weight.float(), h.H, bits, group_size, act_order=act_order)
+            layer.set_submodule(name, QuantLinear.from_groupwise(codes, scales, zeros, bits))
+        x = layer(x, cos, sin, mask, None, i)
+    return model

@@ -1,0 +1,106 @@
+"""A Linear layer that stores only its quantized weight, and the swap that puts it into a model.
+
+`QuantLinear` keeps packed codes and scales as buffers and rebuilds a float weight in every
+`forward` (dequantize-on-the-fly, as weight-only INT4 kernels do, only fused on a GPU). Its
+`weight_bytes()` counts exactly what it holds, so the memory column of the stage's table is honest.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .primitives import (
+    FP8_DTYPES,
+    dequantize_fp8,  # noqa: F401
+    dequantize_groupwise,  # noqa: F401
+    dequantize_int8,  # noqa: F401
+    dequantize_nf4,  # noqa: F401
+    double_dequantize,  # noqa: F401
+    double_quantize,
+    pack,
+    quantize_fp8,
+    quantize_groupwise,
+    quantize_int8,
+    quantize_nf4,
+    unpack,  # noqa: F401
+)
+
+# Data-free formats: int8 (per-channel absmax), fp8_e4m3 / fp8_e5m2 (per-tensor), nf4 (block 64),
+# nf4_dq (nf4 + double-quantized absmax), rtn (group-wise asymmetric INT-`bits`, round to nearest).
+METHODS = ("int8", "fp8_e4m3", "fp8_e5m2", "nf4", "nf4_dq", "rtn")
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W_hatᵀ, where W_hat (out, in) is dequantized from buffers on every call.
+
+    fmt is one of "int8", "fp8_e4m3", "fp8_e5m2", "nf4", "nf4_dq", "int" (group-wise asymmetric;
+    "rtn", GPTQ and AWQ all produce it). Buffers per format:
+      int8:   codes (out, in) int8, scale (out, 1) float32
+      fp8_*:  codes (out, in) float8, scale () float32
+      nf4:    packed (out*in/2,) uint8, absmax (out*in/64,) float32
+      nf4_dq: packed, absmax_codes int8, absmax_scales float32, absmax_offset () float32
+      int:    packed (ceil(out*in*bits/8),) uint8, scales (out, in/g) float16, zeros (out, in/g) uint8
+    """
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, bits: int, **buffers: torch.Tensor):
+        super().__init__()
+        self.in_features, self.out_features, self.fmt, self.bits = in_features, out_features, fmt, bits
+        for name, t in buffers.items():
+            self.register_buffer(name, t)
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, method: str, bits: int = 4, group_size: int = 128) -> "QuantLinear":
+        """Quantize a float weight (out, in) with one of METHODS (round to nearest, no calibration)."""
+        out, n = weight.shape
+        w = weight.detach().float()
+        if method == "int8":
+            codes, scale = quantize_int8(w, per_row=True)
+            return cls(n, out, "int8", 8, codes=codes, scale=scale)
+        if method.startswith("fp8_"):
+            codes, scale = quantize_fp8(w, FP8_DTYPES[method.removeprefix("fp8_")])
+            return cls(n, out, method, 8, codes=codes, scale=scale)
+        if method == "nf4":
+            codes, absmax = quantize_nf4(w)
+            return cls(n, out, "nf4", 4, packed=pack(codes, 4), absmax=absmax)
+        if method == "nf4_dq":
+            codes, absmax = quantize_nf4(w)
+            a_codes, a_scales, a_offset = double_quantize(absmax)
+            return cls(
+                n, out, "nf4_dq", 4,
+                packed=pack(codes, 4), absmax_codes=a_codes, absmax_scales=a_scales, absmax_offset=a_offset,
+            )  # fmt: skip
+        if method == "rtn":
+            return cls.from_groupwise(*quantize_groupwise(w, bits, group_size), bits=bits)
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+
+    @classmethod
+    def from_groupwise(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int) -> "QuantLinear":
+        """Store group-wise codes (out, in) uint8 with scales/zeros (out, n_groups) (from RTN, GPTQ or AWQ)."""
+        out, n = codes.shape
+        return cls(n, out, "int", bits, packed=pack(codes, bits), scales=scales.half(), zeros=zeros)
+
+    def dequantize_weight(self) -> torch.Tensor:
+        """The float32 weight (out, in) this layer stands for, rebuilt from its buffers."""
+        raise NotImplementedError("stage03: QuantLinear.dequantize_weight — see lab.ipynb §5")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize_weight().to(x.dtype))
+
+    def weight_bytes(self) -> int:
+        """Bytes of everything this layer stores (codes, scales, zeros)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}, bits={self.bits}"
+
+
+def quantize_model(
+    model: nn.Module, method: str, bits: int = 4, group_size: int = 128, skip: tuple[str, ...] = ("lm_head",)
+) -> nn.Module:
+    """Replace, in place, every nn.Linear of `model` whose name does not end with an entry of `skip`
+    by QuantLinear.from_weight(...). Returns the model.
+
+    lm_head is skipped by default: it is the most sensitive matrix, and with tied embeddings it is
+    the embedding table itself, which must stay float for the lookup.
+    """
+    raise NotImplementedError("stage03: quantize_model — see lab.ipynb §5")

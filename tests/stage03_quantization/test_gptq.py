@@ -1,0 +1,106 @@
+"""GPTQ: the Hessian, equality with a slow column-by-column reference, and beating round-to-nearest."""
+
+import pytest
+import torch
+
+MOD = "stage03_quantization.gptq"
+SEEDS = [0, 1, 2]
+
+
+def correlated_inputs(seed: int, n: int, dim: int, dtype=torch.float32) -> torch.Tensor:
+    """(n, dim) activations whose channels are strongly correlated and of unequal scale."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(dim, dim, generator=g, dtype=torch.float64) * torch.logspace(0, -2, dim, dtype=torch.float64)
+    z = torch.randn(n, dim, generator=g, dtype=torch.float64)
+    return (z @ mix.T * torch.rand(dim, generator=g, dtype=torch.float64).add(0.2)).to(dtype)
+
+
+def minmax_grid(w: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric (scale, zero) per row of w (out, g), over a range that includes 0."""
+    lo, hi = w.amin(1).clamp(max=0), w.amax(1).clamp(min=0)
+    scale = (hi - lo) / (2**bits - 1)
+    return scale, torch.round(-lo / scale)
+
+
+def slow_gptq(W, H, bits, group_size, percdamp=0.01, act_order=False):
+    """Optimal Brain Quantization, one column at a time with an explicit inverse Hessian:
+    quantize column i, move its error onto the later columns by -err·H⁻¹[i, j]/H⁻¹[i, i], then
+    eliminate i from H⁻¹. No Cholesky, no blocks. float64. Returns W_hat in the original order."""
+    W, H = W.clone().double(), H.clone().double()
+    out, n = W.shape
+    maxq = 2**bits - 1
+    order = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(n)
+    static = [minmax_grid(W[:, g * group_size : (g + 1) * group_size], bits) for g in range(n // group_size)]
+    W, H = W[:, order], H[order][:, order]
+    H = H + percdamp * torch.diag(H).mean() * torch.eye(n, dtype=H.dtype)
+    Hinv = torch.linalg.inv(H)
+    W_hat = torch.zeros_like(W)
+    for i in range(n):
+        if act_order:
+            scale, zero = static[int(order[i]) // group_size]
+        elif i % group_size == 0:
+            scale, zero = minmax_grid(W[:, i : i + group_size], bits)
+        q = torch.clamp(torch.round(W[:, i] / scale) + zero, 0, maxq)
+        W_hat[:, i] = scale * (q - zero)
+        err = W[:, i] - W_hat[:, i]
+        W[:, i + 1 :] -= torch.outer(err / Hinv[i, i], Hinv[i, i + 1 :])
+        Hinv = Hinv - torch.outer(Hinv[:, i], Hinv[i, :]) / Hinv[i, i]
+    return W_hat[:, torch.argsort(order)]
+
+
+def dequant(codes, scales, zeros):
+    g = scales.shape[1]
+    c = codes.double().view(codes.shape[0], g, -1)
+    return ((c - zeros.double()[..., None]) * scales.double()[..., None]).view(codes.shape)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_hessian_is_running_average_of_2xxT(impl, seed):
+    x = correlated_inputs(seed, 300, 24)
+    h = impl(MOD).Hessian(24)
+    for chunk in (x[:7], x[7:107].view(4, 25, 24), x[107:]):  # uneven batches, extra leading dims
+        h.add_batch(chunk)
+    expected = 2 / len(x) * x.double().T @ x.double()
+    torch.testing.assert_close(h.H.double(), expected, rtol=1e-4, atol=1e-5, msg=f"seed={seed}: H != 2/n Σ x xᵀ")
+    assert h.n == 300, f"seed={seed}: counted {h.n} tokens, expected 300"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_equals_slow_column_by_column_reference(impl, seed, act_order):
+    g = torch.Generator().manual_seed(100 + seed)
+    W = torch.randn(6, 32, generator=g, dtype=torch.float64)
+    x = correlated_inputs(seed, 200, 32, torch.float64)
+    H = 2 / len(x) * x.T @ x
+    expected = slow_gptq(W, H, bits=3, group_size=8, act_order=act_order)
+    # block_size 16 < 32 columns: exercises the lazy update between blocks
+    codes, scales, zeros = impl(MOD).gptq_quantize(W, H, bits=3, group_size=8, block_size=16, act_order=act_order)
+    assert codes.shape == W.shape and scales.shape == zeros.shape == (6, 4), f"seed={seed}: wrong output shapes"
+    torch.testing.assert_close(
+        dequant(codes, scales, zeros), expected, atol=1e-9, rtol=1e-9,
+        msg=f"seed={seed}, act_order={act_order}: GPTQ differs from the column-by-column reference",
+    )  # fmt: skip
+
+
+def rtn(W: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    out = torch.empty_like(W)
+    for s in range(0, W.shape[1], group_size):
+        scale, zero = minmax_grid(W[:, s : s + group_size], bits)
+        q = torch.clamp(torch.round(W[:, s : s + group_size] / scale[:, None]) + zero[:, None], 0, 2**bits - 1)
+        out[:, s : s + group_size] = scale[:, None] * (q - zero[:, None])
+    return out
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("bits", [3, 4])
+def test_gptq_output_error_below_round_to_nearest(impl, seed, bits):
+    g = torch.Generator().manual_seed(200 + seed)
+    W = torch.randn(32, 128, generator=g)
+    x = correlated_inputs(seed, 512, 128)
+    H = 2 / len(x) * x.T @ x
+    codes, scales, zeros = impl(MOD).gptq_quantize(W, H, bits=bits, group_size=32)
+    err_gptq = ((W.double() - dequant(codes, scales, zeros)) @ x.double().T).pow(2).sum().item()
+    err_rtn = ((W - rtn(W, bits, 32)).double() @ x.double().T).pow(2).sum().item()
+    assert err_gptq < 0.5 * err_rtn, (
+        f"seed={seed}, bits={bits}: ||WX - ŴX||² should be under half of RTN's: GPTQ {err_gptq:.4g}, RTN {err_rtn:.4g}"
+    )
