@@ -1,0 +1,27 @@
+"""The speedup math of speculative decoding (Leviathan, Kalman, Matias 2023, §3).
+
+alpha: the chance the target accepts one drafted token (assumed the same at every position).
+k:     tokens the draft proposes per round (the paper's γ).
+c:     time of one draft step / time of one target step.
+"""
+
+
+def expected_tokens_per_step(alpha: float, k: int) -> float:
+    """Expected tokens emitted per target forward: 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha).
+
+    Counts the target's bonus token, so it lies in [1, k + 1]; equals k + 1 when alpha == 1.
+    """
+    if alpha == 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, k: int, c: float) -> float:
+    """Expected wall-clock speedup over plain target decoding: tokens per round / cost of a round,
+    where a round costs k draft steps (k·c) plus one target forward (1). k = 0 gives 1.0."""
+    return expected_tokens_per_step(alpha, k) / (k * c + 1.0)
+
+
+def optimal_k(alpha: float, c: float, k_max: int = 16) -> int:
+    """The k in 0..k_max with the largest expected_speedup (0 means: do not speculate)."""
+    return max(range(k_max + 1), key=lambda k: expected_speedup(alpha, k, c))

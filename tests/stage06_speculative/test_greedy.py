@@ -1,0 +1,133 @@
+"""Greedy speculative decoding: the target's own greedy tokens, in fewer target forwards."""
+
+import math
+
+import pytest
+import torch
+
+import labkit
+from labkit.testing import hf_from_labkit, hf_greedy, random_tokens
+
+
+def no_eos(hf_model):
+    """Make HF generate ignore EOS: the references decode a fixed number of tokens."""
+    hf_model.config.eos_token_id = hf_model.generation_config.eos_token_id = 10**6
+    return hf_model
+
+
+CASES = [("mha-untied", 0, 1), ("gqa2-tied", 1, 2), ("gqa4-3layers", 2, 3), ("mqa-odd", 3, 5)]
+
+
+def hf_assisted(hf_target, hf_draft, prompt: list[int], max_new_tokens: int, k: int) -> list[int]:
+    """transformers' assisted generation, drafting exactly k tokens per round, EOS ignored."""
+    out = hf_target.generate(
+        torch.tensor([prompt]),
+        assistant_model=hf_draft,
+        num_assistant_tokens=k,
+        num_assistant_tokens_schedule="constant",
+        assistant_confidence_threshold=0.0,
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize(("config", "seed", "k"), CASES)
+def test_greedy_speculative_equals_target_greedy_and_hf_assisted(impl, pair, config, seed, k):
+    m = impl("stage06_speculative.speculative")
+    hf_target, hf_draft, target, draft = pair(config, seed)
+    prompt = random_tokens(seed, 9 + seed, 97).tolist()
+    got, stats = m.greedy_speculative(target, draft, prompt, 37, k=k)
+    want = hf_greedy(hf_target, prompt, 37)
+    assert got == want, f"{config} seed={seed} k={k}: speculative output differs from the target's greedy decoding"
+    assert got == hf_assisted(hf_target, hf_draft, prompt, 37, k), f"{config} seed={seed} k={k}: differs from HF"
+    assert stats.generated == 37, f"{config} seed={seed}: stats.generated={stats.generated}, expected 37"
+
+
+@pytest.mark.parametrize(("config", "seed", "k"), CASES)
+def test_target_forwards_at_most_generated_and_stats_add_up(impl, pair, count_forwards, config, seed, k):
+    m = impl("stage06_speculative.speculative")
+    _, _, target, draft = pair(config, seed)
+    calls = count_forwards(target)
+    out, stats = m.greedy_speculative(target, draft, random_tokens(seed, 12, 97).tolist(), 40, k=k)
+    assert calls.calls == stats.target_forwards, (
+        f"{config} seed={seed}: the target ran {calls.calls} forwards but stats say {stats.target_forwards}"
+    )
+    assert stats.target_forwards <= len(out), (
+        f"{config} seed={seed}: {stats.target_forwards} forwards > {len(out)} tokens"
+    )
+    # every round emits its accepted drafts plus one token of the target's own
+    assert stats.accepted + stats.target_forwards == len(out), f"{config} seed={seed}: {stats}"
+    assert stats.accepted <= stats.proposed, f"{config} seed={seed}: {stats}"
+
+
+@pytest.mark.parametrize(("config", "seed", "k"), CASES)
+def test_target_forwards_strictly_fewer_when_draft_agrees(impl, pair, count_forwards, config, seed, k):
+    """With the target as its own draft every proposal is accepted: one forward per k + 1 tokens."""
+    m = impl("stage06_speculative.speculative")
+    hf_target, _, target, _ = pair(config, seed)
+    prompt = random_tokens(seed, 10, 97).tolist()
+    calls = count_forwards(target)
+    draft_calls = count_forwards(draft := type(target)(target.config))
+    draft.load_state_dict(target.state_dict())
+    out, stats = m.greedy_speculative(target, draft.eval(), prompt, 30, k=k)
+    assert out == hf_greedy(hf_target, prompt, 30), f"{config} seed={seed} k={k}: output differs from target greedy"
+    assert calls.calls == math.ceil(30 / (k + 1)) < 30, (
+        f"{config} seed={seed} k={k}: a draft that always agrees needs ceil(30/{k + 1}) target forwards, got {calls.calls}"
+    )
+    assert stats.acceptance_rate == 1.0, f"{config} seed={seed}: acceptance {stats.acceptance_rate}, expected 1.0"
+    assert draft_calls.calls <= stats.proposed, (
+        f"{config} seed={seed}: the draft ran {draft_calls.calls} forwards for {stats.proposed} proposals; "
+        "it should run one forward per proposed token, reusing its cache"
+    )
+
+
+@pytest.mark.parametrize(("config", "seed"), [("gqa2-tied", 0), ("mqa-odd", 1), ("gqa4-3layers", 2)])
+def test_cache_rollback_after_rejection(impl, pair, config, seed):
+    """After a round with a rejection, both caches continue exactly like a fresh forward over the kept tokens."""
+    m = impl("stage06_speculative.speculative")
+    hf_target, hf_draft, target, draft = pair(config, seed)
+    tokens = random_tokens(seed, 14, 97).tolist()
+    tc, dc = target.new_cache(1, 128), draft.new_cache(1, 128)
+    k, rejected = 4, False
+    for _ in range(8):  # a random draft disagrees within a few rounds
+        drafted = m.propose_greedy(draft, dc, tokens, k)
+        new = m.verify_greedy(target, tc, tokens, drafted)
+        tokens = tokens + new
+        rejected |= len(new) <= k
+        if rejected:
+            break
+    assert rejected, f"{config} seed={seed}: expected a rejection within 8 rounds"
+    assert tc.length == len(tokens) - 1, (
+        f"{config} seed={seed}: target cache holds {tc.length}, expected {len(tokens) - 1}"
+    )
+    with torch.no_grad():
+        cont = target(torch.tensor([tokens[-1:]]), tc)[0, -1]
+        fresh = hf_target(torch.tensor([tokens])).logits[0, -1]
+    torch.testing.assert_close(cont, fresh, atol=1e-4, rtol=1e-4, msg=lambda s: f"{config} seed={seed}: target {s}")
+    # the draft's next proposals must be what a fresh greedy run of the draft would produce
+    assert m.propose_greedy(draft, dc, tokens, k) == hf_greedy(hf_draft, tokens, k), (
+        f"{config} seed={seed}: after rollback the draft proposes different tokens than a fresh greedy run"
+    )
+
+
+TINY = labkit.TARGET.is_dir() and labkit.DRAFT.is_dir()
+
+
+@pytest.mark.skipif(not TINY, reason="the tiny trained pair is not in labkit/assets yet")
+@pytest.mark.parametrize("k", [2, 4])
+def test_tiny_pair_greedy_identical_and_fewer_forwards(impl, k):
+    from labkit.evaluate import heldout, load_tokenizer
+    from labkit.model import load
+
+    m = impl("stage06_speculative.speculative")
+    target, draft = load(labkit.TARGET), load(labkit.DRAFT)
+    window = heldout(load_tokenizer(labkit.TARGET), n_tokens=512, seq=512)[0]
+    prompt = window[:40].tolist()
+    got, stats = m.greedy_speculative(target, draft, prompt, 48, k=k)
+    hf_target = no_eos(hf_from_labkit(target))
+    assert got == hf_greedy(hf_target, prompt, 48), f"k={k}: tiny pair output differs from the target's greedy"
+    assert got == hf_assisted(hf_target, no_eos(hf_from_labkit(draft)), prompt, 48, k), f"k={k}: differs from HF"
+    assert stats.target_forwards < 48, f"k={k}: the distilled draft should save target forwards, got {stats}"
