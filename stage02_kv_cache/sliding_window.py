@@ -54,7 +54,7 @@ class SlidingWindowCache:
 
 
 @torch.no_grad()
-def forward_sliding(model: Llama, input_ids: torch.Tensor, cache: SlidingWindowCache) -> torch.Tensor:
+def forward_sliding(model: Llama, input_ids: torch.Tensor, cache: "SlidingWindowCache") -> torch.Tensor:
     """Logits (1, T, vocab) of input_ids (1, T) under sliding-window attention, reading and
     updating `cache`. The keys attention sees are the ring then the new tokens, so their
     positions are the ring's slot positions then the new positions."""
