@@ -15,6 +15,8 @@ Ring all-reduce of m bytes over p ranks: 2(p−1) steps, each sending m/p bytes,
 Ring all-gather where each rank contributes m bytes: t = (p−1)·alpha + (p−1) · m / beta.
 """
 
+from __future__ import annotations  # signatures name StepTime, not the module it came from
+
 from dataclasses import dataclass
 
 from labkit.model import Config
