@@ -29,8 +29,8 @@ def test_comm_bytes_per_token_formula(impl, config, p, dtype_bytes):
     assert got == want, f"TP={p}, {dtype_bytes}-byte elements: got {got}, expected {want}"
 
 
-def _matrices_per_rank(c: Config, p: int) -> int:
-    """Slow and obvious: list every weight matrix one rank streams per decode step, with its shard shape."""
+def _matrices_per_rank(c: Config, p: int) -> tuple[int, int, int]:
+    """Slow and obvious: (weight elements one rank streams per decode step, its query heads, its KV heads)."""
     q_heads = c.num_attention_heads // p
     kv_heads = c.num_key_value_heads // p if c.num_key_value_heads % p == 0 else 1
     shapes = []
