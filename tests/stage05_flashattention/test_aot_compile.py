@@ -87,24 +87,26 @@ print(json.dumps(results))
 
 @pytest.fixture(scope="module")
 def aot_results() -> dict[str, str]:
-    jobs = [
-        {"kernel": kernel, "module": f"{MODULE}.{KERNEL_MODULE[kernel]}", "config": config, "cc": cc}
-        | {"signature": signature, "constexprs": constexprs}
-        for kernel, specs in SPECS.items()
-        for config, signature, constexprs in specs
-        for cc in TARGETS
-    ]
     env = dict(os.environ, TRITON_INTERPRET="0")  # stage05's __init__ keeps an explicit setting
-    proc = subprocess.run(
-        [sys.executable, "-c", COMPILE_ALL],
-        input=json.dumps(jobs),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"the AOT compile subprocess crashed:\n{proc.stderr[-3000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    procs = []
+    for cc in TARGETS:  # one process per target, side by side: compiling is CPU-bound and single-threaded
+        jobs = [
+            {"kernel": kernel, "module": f"{MODULE}.{KERNEL_MODULE[kernel]}", "config": config, "cc": cc}
+            | {"signature": signature, "constexprs": constexprs}
+            for kernel, specs in SPECS.items()
+            for config, signature, constexprs in specs
+        ]
+        proc = subprocess.Popen(
+            [sys.executable, "-c", COMPILE_ALL], env=env, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        procs.append((proc, json.dumps(jobs)))
+    results = {}
+    for proc, jobs in procs:
+        out, err = proc.communicate(jobs, timeout=600)
+        assert proc.returncode == 0, f"the AOT compile subprocess crashed:\n{err[-3000:]}"
+        results |= json.loads(out.strip().splitlines()[-1])
+    return results
 
 
 @pytest.mark.dist
