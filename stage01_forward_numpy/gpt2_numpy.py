@@ -133,7 +133,8 @@ def load_gpt2_params(source: str | os.PathLike | dict, config: dict | None = Non
 
     source: a folder written by `save_pretrained` (config.json + model.safetensors), or a state
             dict {HF tensor name: array-like}, with or without the "transformer." prefix.
-    config: the HF config dict; required with a state dict, read from config.json for a folder.
+    config: the HF config dict; required with a state dict. For a folder, `_read_folder` (given)
+            returns (config, arrays).
 
     returns {
         "n_head": int, "eps": float (config's layer_norm_epsilon),

@@ -99,7 +99,8 @@ def load_llama_params(source: str | os.PathLike | dict, config: dict | None = No
     """Llama-family weights as the dict `llama_forward` reads, from an HF folder or a state dict.
 
     source: a folder written by `save_pretrained` (e.g. labkit.TARGET), or a state dict
-            {HF tensor name: array-like}; config: the HF config dict (read from the folder if omitted).
+            {HF tensor name: array-like}; config: the HF config dict, required with a state dict.
+            For a folder, `_read_folder` (given) returns (config, arrays).
 
     returns {
         "n_heads", "n_kv_heads", "head_dim": int, "eps": float (rms_norm_eps),

@@ -159,7 +159,8 @@ def load_gpt2_params(source: str | os.PathLike | dict, config: dict | None = Non
 
     source: a folder written by `save_pretrained` (config.json + model.safetensors), or a state
             dict {HF tensor name: array-like}, with or without the "transformer." prefix.
-    config: the HF config dict; required with a state dict, read from config.json for a folder.
+    config: the HF config dict; required with a state dict. For a folder, `_read_folder` (given)
+            returns (config, arrays).
 
     returns {
         "n_head": int, "eps": float (config's layer_norm_epsilon),
@@ -176,7 +177,7 @@ def load_gpt2_params(source: str | os.PathLike | dict, config: dict | None = Non
     else:
         config, state = _read_folder(source)
     state = {k.removeprefix("transformer."): np.asarray(v, dtype=np.float32) for k, v in state.items()}
-    params = {
+    return {
         "n_head": int(config["n_head"]),
         "eps": float(config.get("layer_norm_epsilon", 1e-5)),
         "wte": state["wte.weight"],
@@ -187,7 +188,6 @@ def load_gpt2_params(source: str | os.PathLike | dict, config: dict | None = Non
         "lm_head": state.get("lm_head.weight", state["wte.weight"]),
         "blocks": [{key: state[f"h.{i}.{key}"] for key in BLOCK_KEYS} for i in range(config["n_layer"])],
     }
-    return params
 
 
 def _read_folder(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
