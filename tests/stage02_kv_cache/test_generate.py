@@ -3,9 +3,20 @@
 import pytest
 import torch
 
+import labkit.model
 from labkit.testing import LLAMA_CONFIGS, labkit_from_hf, random_llama, random_tokens
 
 GENERATE = "stage02_kv_cache.generate"
+
+
+def forbid_labkit_forward(monkeypatch):
+    """labkit's own Llama/Attention forward (and its KVCache) must not do the lab's work."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("use the stage's forward/attention_block and your KVCache, not labkit.model's forward")
+
+    monkeypatch.setattr(labkit.model.Llama, "forward", forbidden)
+    monkeypatch.setattr(labkit.model.Attention, "forward", forbidden)
 
 
 def models(name: str, seed: int):
@@ -28,11 +39,13 @@ def hf_generate(hf, p: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("name", list(LLAMA_CONFIGS))
-def test_greedy_kv_cache_generation_matches_hf_generate(impl, name):
+def test_greedy_kv_cache_generation_matches_hf_generate(impl, name, monkeypatch):
     hf, model = models(name, 0)
     p = prompt(0, 9, hf.config.vocab_size)
+    expected = hf_generate(hf, p, 12)
+    forbid_labkit_forward(monkeypatch)
     got = impl(GENERATE).generate_kv_cache(model, p, 12)
-    assert got == hf_generate(hf, p, 12), f"config={name} seed=0: greedy tokens differ from HF generate"
+    assert got == expected, f"config={name} seed=0: greedy tokens differ from HF generate"
 
 
 @pytest.mark.parametrize("name", ["mha-untied", "mqa-odd"])
@@ -77,8 +90,9 @@ def tokens_seen_by_each_layer(model):
 
 
 @pytest.mark.parametrize("prompt_len", [1, 7])
-def test_cached_generation_never_reruns_the_prefix(impl, prompt_len):
+def test_cached_generation_never_reruns_the_prefix(impl, prompt_len, monkeypatch):
     hf, model = models("gqa4-3layers", 0)
+    forbid_labkit_forward(monkeypatch)
     seen, handles = tokens_seen_by_each_layer(model)
     try:
         impl(GENERATE).generate_kv_cache(model, prompt(0, prompt_len, hf.config.vocab_size), 6)
