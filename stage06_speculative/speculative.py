@@ -63,8 +63,8 @@ def propose_greedy(draft: Llama, cache: KVCache, tokens: list[int], k: int) -> l
     """The draft's k greedy next tokens after `tokens` (k >= 1).
 
     First roll the draft's cache back to at most len(tokens) - 1 positions (it may still hold drafts
-    of the last round that were rejected, or one more than the invariant allows), read what is
-    missing, then decode k tokens one forward each. Afterwards the cache holds tokens + drafted[:-1].
+    of the last round that the target rejected), read what is missing, then decode k tokens, one
+    forward each. Afterwards the cache holds tokens + drafted[:-1].
     """
     raise NotImplementedError("stage06: propose_greedy — see lab.ipynb §2")
 
