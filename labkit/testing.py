@@ -105,12 +105,15 @@ def random_tokens(seed: int, length: int, vocab_size: int, batch: int | None = N
 
 @torch.no_grad()
 def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """HF generate(do_sample=False), EOS ignored, returning the new tokens only."""
+    """HF generate(do_sample=False) for exactly max_new_tokens argmax tokens; returns the new ones.
+
+    EOS may be chosen like any other token but does not stop generation: the stop id is set to one
+    the vocabulary cannot produce. (min_new_tokens would instead forbid EOS, changing the argmax.)"""
     out = hf_model.generate(
         torch.tensor([prompt]),
         max_new_tokens=max_new_tokens,
-        min_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=0,
+        eos_token_id=hf_model.config.vocab_size,
     )
     return out[0, len(prompt) :].tolist()
