@@ -67,7 +67,8 @@ def test_skeleton_and_solution_expose_the_same_public_api(folder):
     for mod in modules(folder):
         student = importlib.import_module(f"{folder}.{mod}")
         solution = importlib.import_module(f"solutions.{folder}.{mod}")
-        s, r = public_api(student), public_api(solution)
+        # Annotations name their own module's classes; compare them without the "solutions." prefix.
+        s, r = public_api(student), {k: v.replace("solutions.", "") for k, v in public_api(solution).items()}
         missing = sorted(set(r) - set(s))
         extra = sorted(set(s) - set(r))
         differ = sorted(k for k in set(s) & set(r) if s[k] != r[k])
@@ -100,6 +101,17 @@ def test_stage_imports_no_other_stage(folder):
             assert not hits, (
                 f"{path.relative_to(ROOT)} imports another stage or the solutions ({hits}); use labkit or a relative import"
             )
+
+
+@pytest.mark.parametrize("folder", BUILT)
+def test_stage_modules_do_not_shadow_installed_packages(folder):
+    # A notebook's kernel starts in its stage folder, so a stage module named like a package the
+    # kernel imports (comm.py, say) would replace that package and kill the kernel.
+    import importlib.util
+
+    for name in modules(folder):
+        spec = importlib.util.find_spec(name)
+        assert spec is None, f"{folder}/{name}.py shadows the installed module {name!r} ({spec.origin}); rename it"
 
 
 @pytest.mark.parametrize("folder", BUILT)
