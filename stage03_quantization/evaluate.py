@@ -54,9 +54,10 @@ def evaluate(
     speed = 1 / decode_step_seconds(model, context=64, repeats=decode_repeats) if decode_repeats else float("nan")
     report = Report(ppl, weight_bytes(model), speed)
     if reference is not None:
-        stats = [divergence(reference(w[None]), model(w[None])) for w in windows]
-        report.kl = sum(s[0] for s in stats) / len(stats)
-        report.top1_agreement = sum(s[1] for s in stats) / len(stats)
+        batches = windows.split(4)
+        stats = [divergence(reference(w), model(w)) for w in batches]
+        report.kl = sum(len(w) * kl for w, (kl, _) in zip(batches, stats, strict=True)) / len(windows)
+        report.top1_agreement = sum(len(w) * a for w, (_, a) in zip(batches, stats, strict=True)) / len(windows)
     return report
 
 

@@ -72,18 +72,20 @@ def gptq_quantize(
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
 
     codes = torch.zeros(out, n, dtype=torch.uint8)
+    order = perm.tolist()
     for i1 in range(0, n, block_size):
         i2 = min(i1 + block_size, n)
         Err = W.new_zeros(out, i2 - i1)
         for i in range(i1, i2):
-            g = int(perm[i]) // group_size
+            g = order[i] // group_size
             if not act_order and i % group_size == 0:  # fit the group's grid on its current weights
                 _, s, z = quantize_groupwise(W[:, i : i + group_size], bits, group_size)
                 scales[:, g], zeros[:, g] = s[:, 0], z[:, 0].to(W.dtype)
-            q = torch.clamp(torch.round(W[:, i] / scales[:, g]) + zeros[:, g], 0, maxq)
-            codes[:, i] = q.to(torch.uint8)
-            err = (W[:, i] - scales[:, g] * (q - zeros[:, g])) / Hinv[i, i]
-            W[:, i:i2] -= err[:, None] * Hinv[i, i:i2][None, :]  # error feedback inside the block
+            s, z, w = scales[:, g], zeros[:, g], W[:, i]
+            q = torch.clamp(torch.round(w / s) + z, 0, maxq)
+            codes[:, i] = q
+            err = (w - s * (q - z)) / Hinv[i, i]
+            W[:, i:i2].addr_(err, Hinv[i, i:i2], alpha=-1)  # error feedback inside the block
             Err[:, i - i1] = err
         W[:, i2:] -= Err @ Hinv[i1:i2, i2:]  # lazy batch update of everything after the block
 

@@ -29,12 +29,14 @@ METHODS = {
 
 @pytest.fixture(scope="module")
 def target():
-    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # module fixtures run before the per-test one_thread fixture
     tokenizer = load_tokenizer(labkit.TARGET)
     model = load(labkit.TARGET)
     windows = heldout(tokenizer, n_tokens=1024, seq=512)  # 2 held-out windows
     calib = calibration_windows(tokenizer, n_windows=2, seq=128)  # from the training split
-    return model, windows, calib, perplexity(model, windows)
+    yield model, windows, calib, perplexity(model, windows)
+    torch.set_num_threads(threads)
 
 
 @pytest.mark.slow

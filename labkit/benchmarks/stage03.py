@@ -1,0 +1,122 @@
+"""Stage 03: quantization on the tiny target — quality vs memory vs decode speed, and the deploy gate.
+
+One row per format/method: weight bytes, held-out perplexity (Δ% vs fp32), KL(fp32 || quantized)
+and top-1 agreement with fp32 on the same windows, decode tokens/s (batch 1, its ratio to fp32
+measured interleaved), and the quality gate's verdict.
+
+On a CPU the quantized layers dequantize the whole weight on every call, in separate PyTorch ops,
+so they are SLOWER than fp32: quantization here saves memory, not time. The speed-up of the serving
+guide comes from fused GPU kernels that read 4-bit weights from HBM and never materialize them.
+"""
+
+import copy
+import json
+
+import torch
+
+import labkit
+from labkit.bench import compare, machine, table
+from labkit.calibration import calibration_windows
+from labkit.evaluate import heldout, load_tokenizer
+from labkit.impl import load
+from labkit.model import load as load_model
+from labkit.plot import RESULTS, save, setup
+
+GATE = dict(max_ppl_increase_pct=1.0, max_top1_disagreement=0.02)
+
+
+def _decode_step(model, context: int = 64):
+    """A closure running one cached decode step at a fixed position (the cache is rewound each time)."""
+    cache = model.new_cache(1, context + 1)
+    with torch.no_grad():
+        model(torch.ones(1, context, dtype=torch.long), cache)
+    token = torch.ones(1, 1, dtype=torch.long)
+
+    def step():
+        with torch.no_grad():
+            model(token, cache)
+        cache.truncate(context)
+
+    return step
+
+
+def main(quick: bool = False) -> None:
+    torch.set_num_threads(1)  # small matrices: a second thread only adds OpenMP stalls on a shared CPU
+    ql = load("stage03_quantization.quant_linear")
+    gptq = load("stage03_quantization.gptq")
+    awq = load("stage03_quantization.awq")
+    sq = load("stage03_quantization.smoothquant")
+    ev = load("stage03_quantization.evaluate")
+
+    tokenizer = load_tokenizer(labkit.TARGET)
+    fp32 = load_model(labkit.TARGET)
+    windows = heldout(tokenizer, n_tokens=2048 if quick else 4096, seq=512)
+    calib = calibration_windows(tokenizer, n_windows=2 if quick else 8, seq=128 if quick else 256)
+    repeats = 5 if quick else 10
+
+    variants = {
+        "fp32": lambda: fp32,
+        "bf16": lambda: copy.deepcopy(fp32).to(torch.bfloat16),
+        "INT8 per-channel": lambda: ql.quantize_model(copy.deepcopy(fp32), "int8"),
+        "FP8 E4M3": lambda: ql.quantize_model(copy.deepcopy(fp32), "fp8_e4m3"),
+        "FP8 E5M2": lambda: ql.quantize_model(copy.deepcopy(fp32), "fp8_e5m2"),
+        "W8A8 naive": lambda: sq.w8a8_model(copy.deepcopy(fp32)),
+        "W8A8 SmoothQuant": lambda: sq.w8a8_model(sq.smooth_model(copy.deepcopy(fp32), calib, alpha=0.5)),
+        "NF4 b64": lambda: ql.quantize_model(copy.deepcopy(fp32), "nf4"),
+        "NF4 b64 + DQ": lambda: ql.quantize_model(copy.deepcopy(fp32), "nf4_dq"),
+    }
+    for bits in (4, 3, 2):
+        variants[f"RTN INT{bits} g128"] = lambda b=bits: ql.quantize_model(copy.deepcopy(fp32), "rtn", b, 128)
+        variants[f"GPTQ INT{bits} g128"] = lambda b=bits: gptq.gptq_quantize_model(copy.deepcopy(fp32), calib, b, 128)
+        variants[f"AWQ INT{bits} g128"] = lambda b=bits: awq.awq_quantize_model(copy.deepcopy(fp32), calib, b, 128)
+
+    base = ev.evaluate(fp32, windows, decode_repeats=0)
+    base_step = _decode_step(fp32)
+    rows = []
+    for name, make in variants.items():
+        model = make()
+        report = ev.evaluate(model, windows, reference=fp32, decode_repeats=0)
+        t_base, t_cand, speedup = compare(base_step, _decode_step(model), repeats=repeats, warmup=2)
+        verdict = ev.quality_gate(base, report, **GATE)
+        rows.append(
+            {
+                "method": name,
+                "weight MB": report.weight_bytes / 1e6,
+                "vs fp32": report.weight_bytes / base.weight_bytes,
+                "ppl": f"{report.perplexity:.4f}",
+                "ppl Δ%": round(100 * (report.perplexity / base.perplexity - 1), 3),
+                "KL vs fp32": float(f"{report.kl:.3g}"),
+                "top-1 agree": round(report.top1_agreement, 4),
+                "tok/s": round(1 / t_cand.median, 1),
+                "speed vs fp32": round(speedup, 2),
+                "gate": "pass" if verdict.passed else "BLOCK",
+            }
+        )
+        print(f"  {name}: done ({'; '.join(verdict.reasons)})", flush=True)
+
+    print(table(rows, title=f"Stage 03 on the tiny target ({len(windows)} held-out windows of 512 tokens)"))
+    print(
+        f"Quality gate: perplexity ≤ +{GATE['max_ppl_increase_pct']} % and top-1 disagreement ≤ "
+        f"{GATE['max_top1_disagreement']:.0%} vs fp32.\n"
+        "On this CPU the quantized layers dequantize the full weight on every call, so they save memory, "
+        "not time: 'speed vs fp32' < 1 is expected. The decode speed-ups of the serving guide need fused "
+        "GPU kernels that stream the small weights from HBM."
+    )
+
+    RESULTS.mkdir(exist_ok=True)
+    out = {"machine": machine(), "windows": len(windows), "calibration_tokens": calib.numel(), "gate": GATE}
+    (RESULTS / "stage03.json").write_text(json.dumps(out | {"rows": rows}, indent=2, ensure_ascii=False))
+
+    plt = setup()
+    fig, ax = plt.subplots()
+    for family, marker in (("RTN", "o"), ("GPTQ", "s"), ("AWQ", "^")):
+        pts = [r for r in rows if r["method"].startswith(family)]
+        ax.plot([r["weight MB"] for r in pts], [max(r["KL vs fp32"], 1e-7) for r in pts], marker=marker, label=family)
+    for r in rows:
+        if not r["method"].startswith(("RTN", "GPTQ", "AWQ")):
+            ax.scatter(r["weight MB"], max(r["KL vs fp32"], 1e-7), color="gray", s=15)
+            ax.annotate(r["method"], (r["weight MB"], max(r["KL vs fp32"], 1e-7)), fontsize=7)
+    ax.set(xlabel="weight MB (embedding stays fp32)", ylabel="KL(fp32 || quantized), nats/token", yscale="log")
+    ax.set_title("Tiny target: quality vs memory (INT4, INT3, INT2 left to right per method)")
+    ax.legend()
+    print(f"saved {save(fig, 'stage03')} and {RESULTS / 'stage03.json'}")
