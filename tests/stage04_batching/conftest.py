@@ -80,5 +80,10 @@ def tokenizer(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _deterministic_threads():
+def _one_thread():
+    """These models are tiny: one thread is faster than two fighting over small matrices."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     torch.manual_seed(0)
+    yield
+    torch.set_num_threads(threads)

@@ -160,10 +160,13 @@ def test_abort_frees_every_block(impl, seed):
     assert engine.step() == [], f"seed={seed}: nothing is left to run"
 
 
-def test_prompt_that_cannot_fit_is_rejected(impl):
-    engine = _engine(impl, make_model(0), num_blocks=4, block_size=16)
+def test_prompt_that_cannot_fit_is_rejected_and_the_engine_goes_on(impl):
+    model = make_model(0)
+    engine = _engine(impl, model, num_blocks=4, block_size=16)
     with pytest.raises(ValueError, match="context"):
         engine.add_request(list(range(3, 60)), _params(impl, max_tokens=10))
+    out = engine.generate([list(range(3, 50))], _params(impl, max_tokens=10))[0]
+    assert out.token_ids == model.generate(list(range(3, 50)), 10), "47 + 10 tokens fit 4 blocks of 16 and must run"
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -1,0 +1,212 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn on a free loopback port, real HTTP clients."""
+
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import make_model
+from labkit.impl import load
+
+PROMPT = "Once upon a time, there was"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn serving create_app(...) in a background thread; stopped (gracefully) at teardown."""
+
+    def __init__(self, tokenizer, **app_kw):
+        import uvicorn
+
+        engine_mod = load("stage04_batching.engine")
+        server_mod = load("stage04_batching.server")
+        self.model = make_model(7, vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=256)
+        self.engine = engine_mod.LLMEngine(self.model, tokenizer, num_blocks=128, max_num_seqs=8)
+        self.offline = engine_mod.LLMEngine(self.model, tokenizer, num_blocks=64)
+        app = server_mod.create_app(self.engine, tokenizer, model_name="test-model", **app_kw)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                self.close()
+                raise RuntimeError("the test server did not start within 20 s")
+            time.sleep(0.05)
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(tokenizer):
+    s = LiveServer(tokenizer, max_waiting=64, request_timeout=30.0)
+    yield s
+    s.close()
+
+
+def _sse(response) -> list[dict]:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append("[DONE]" if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def _wait_blocks_free(engine, seconds=10.0) -> int:
+    deadline = time.time() + seconds
+    while time.time() < deadline and (engine.block_manager.num_used_blocks or engine.has_unfinished_requests()):
+        time.sleep(0.05)
+    return engine.block_manager.num_used_blocks
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_streamed_text_equals_non_streamed_equals_offline_engine(server, seed):
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0.8, "seed": seed}
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        plain = c.post("/v1/completions", json=body)
+        assert plain.status_code == 200, f"seed={seed}: {plain.text}"
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.headers["content-type"].startswith("text/event-stream"), "streams are server-sent events"
+            events = _sse(r)
+    assert events[-1] == "[DONE]", f"seed={seed}: a stream ends with data: [DONE]"
+    streamed = "".join(e["choices"][0]["text"] for e in events[:-1])
+    params = load("stage04_batching.sequence").SamplingParams(max_tokens=24, temperature=0.8, seed=seed)
+    offline = server.offline.generate([PROMPT], params)[0]
+    text = plain.json()["choices"][0]["text"]
+    assert streamed == text == offline.text, (
+        f"seed={seed}: streamed {streamed!r}, plain {text!r}, offline {offline.text!r}"
+    )
+    assert events[-2]["choices"][0]["finish_reason"] == plain.json()["choices"][0]["finish_reason"]
+    usage = plain.json()["usage"]
+    assert usage["completion_tokens"] == len(offline.token_ids), f"seed={seed}: usage counts output tokens"
+
+
+def test_openai_client_works_for_both_endpoints_streaming_and_not(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    assert [m.id for m in client.models.list()] == ["test-model"]
+    done = client.completions.create(model="test-model", prompt=PROMPT, max_tokens=12, temperature=0)
+    parts = client.completions.create(model="test-model", prompt=PROMPT, max_tokens=12, temperature=0, stream=True)
+    assert "".join(p.choices[0].text for p in parts) == done.choices[0].text, "streamed completion == plain"
+    assert done.usage.completion_tokens >= 1 and done.choices[0].finish_reason in ("stop", "length")
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    chat = client.chat.completions.create(model="test-model", messages=messages, max_tokens=10, temperature=0)
+    stream = client.chat.completions.create(
+        model="test-model", messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    streamed = "".join(p.choices[0].delta.content or "" for p in stream)
+    assert streamed == chat.choices[0].message.content, "streamed chat == plain chat"
+    assert chat.choices[0].message.role == "assistant"
+
+
+@pytest.mark.parametrize(
+    "body, status, field",
+    [
+        ({"prompt": PROMPT, "max_tokens": 0}, 400, "max_tokens"),
+        ({"prompt": PROMPT, "temperature": -1}, 400, "temperature"),
+        ({"max_tokens": 5}, 400, "prompt"),
+        ({"prompt": "word " * 300, "max_tokens": 5}, 400, "prompt"),
+    ],
+    ids=["max_tokens", "temperature", "missing-prompt", "too-long"],
+)
+def test_bad_requests_get_openai_style_errors(server, body, status, field):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        r = c.post("/v1/completions", json=body)
+        ok = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == status, f"{body}: expected {status}, got {r.status_code} {r.text}"
+    err = r.json()["error"]
+    assert err["param"] == field and err["message"], f"{body}: the error must name {field!r}, got {err}"
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None, "the server keeps serving"
+
+
+def test_invalid_json_is_a_400(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        r = c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        ok = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 400 and "error" in r.json(), f"invalid JSON: got {r.status_code} {r.text}"
+    assert ok.status_code == 200, "the server keeps serving"
+
+
+def test_metrics_parse_and_count(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        assert c.get("/health").json()["status"] == "ok"
+        c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0})
+        families = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+    for name in [
+        "llm_requests",
+        "llm_num_requests_running",
+        "llm_num_requests_waiting",
+        "llm_kv_blocks_in_use",
+        "llm_generation_tokens",
+        "llm_time_to_first_token_seconds",
+        "llm_inter_token_latency_seconds",
+    ]:
+        assert name in families, f"/metrics lacks {name}; has {sorted(families)}"
+    generated = sum(s.value for s in families["llm_generation_tokens"].samples if s.name.endswith("_total"))
+    assert generated >= 5, f"at least 5 tokens were generated, the counter says {generated}"
+
+
+def test_queue_limit_answers_429_not_timeouts(tokenizer):
+    server = LiveServer(tokenizer, max_waiting=2, request_timeout=30.0)
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 60, "temperature": 0}
+        # At most 2 requests may wait for admission; a burst of 24 overflows that at once.
+
+        async def burst():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+                return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(24)))
+
+        codes = [r.status_code for r in asyncio.run(burst())]
+        refused = [r for r in codes if r == 429]
+        assert refused, f"24 simultaneous requests with room for 8 running + 2 waiting must see 429s, got {codes}"
+        assert set(codes) <= {200, 429}, f"only successes and 429s expected, got {codes}"
+        assert codes.count(200) >= 2, f"the admitted requests must complete, got {codes}"
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, "once the queue drains requests are admitted again"
+        assert _wait_blocks_free(server.engine) == 0, "all blocks free after the burst"
+    finally:
+        server.close()
+
+
+@pytest.mark.slow
+def test_clients_disconnecting_mid_stream_leave_no_blocks_in_use(server):
+    rng = random.Random(0)
+    cuts = [rng.randint(0, 12) for _ in range(200)]
+
+    async def client(c, cut):
+        body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen > cut:
+                    break  # leaving the context closes the connection mid-stream
+
+    async def main():
+        limits = httpx.Limits(max_connections=50)
+        async with httpx.AsyncClient(base_url=server.url, timeout=30, limits=limits) as c:
+            await asyncio.wait_for(asyncio.gather(*(client(c, cut) for cut in cuts)), 60)
+
+    asyncio.run(main())
+    used = _wait_blocks_free(server.engine)
+    assert used == 0, f"200 clients disconnected at random points; {used} KV blocks are still in use"
+    assert not server.engine.has_unfinished_requests(), "every abandoned request must be aborted"
