@@ -1,5 +1,5 @@
 """Megatron-style tensor-parallel layers: each rank holds a slice of a weight and the collectives
-in `comm` put the slices' results back together.
+in `collectives` put the slices' results back together.
 
 Convention (Megatron's): a dimension of size n split over p ranks gives rank r the contiguous
 slice [r·n/p, (r+1)·n/p). `rank`/`world_size` default to the process group's; passing them lets
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F  # noqa: F401 (the TODOs use these)
 from torch import nn
 
-from . import comm
+from . import collectives
 
 
 def shard(t: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
@@ -47,8 +47,8 @@ class ColumnParallelLinear(nn.Module):
         world_size: int | None = None,
     ):
         super().__init__()
-        self.rank = comm.rank() if rank is None else rank
-        self.world_size = comm.world_size() if world_size is None else world_size
+        self.rank = collectives.rank() if rank is None else rank
+        self.world_size = collectives.world_size() if world_size is None else world_size
         local = _divide(out_features, self.world_size, "out_features")
         self.weight = nn.Parameter(torch.zeros(local, in_features))
         self.bias = nn.Parameter(torch.zeros(local)) if bias else None
@@ -77,8 +77,8 @@ class RowParallelLinear(nn.Module):
         world_size: int | None = None,
     ):
         super().__init__()
-        self.rank = comm.rank() if rank is None else rank
-        self.world_size = comm.world_size() if world_size is None else world_size
+        self.rank = collectives.rank() if rank is None else rank
+        self.world_size = collectives.world_size() if world_size is None else world_size
         local = _divide(in_features, self.world_size, "in_features")
         self.weight = nn.Parameter(torch.zeros(out_features, local))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
@@ -98,8 +98,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, rank: int | None = None, world_size: int | None = None):
         super().__init__()
-        self.rank = comm.rank() if rank is None else rank
-        self.world_size = comm.world_size() if world_size is None else world_size
+        self.rank = collectives.rank() if rank is None else rank
+        self.world_size = collectives.world_size() if world_size is None else world_size
         local = _divide(num_embeddings, self.world_size, "num_embeddings (vocabulary)")
         self.vocab_start, self.vocab_end = self.rank * local, (self.rank + 1) * local
         self.weight = nn.Parameter(torch.zeros(local, embedding_dim))

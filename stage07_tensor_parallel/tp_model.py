@@ -24,7 +24,7 @@ from torch import nn
 
 from labkit.model import Config, KVCache, Llama, apply_rope, repeat_kv  # noqa: F401 (the TODOs use these)
 
-from . import comm
+from . import collectives
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard  # noqa: F401 (the TODOs use these)
 
 
@@ -54,7 +54,7 @@ class TPAttention(nn.Module):
 
     def __init__(self, c: Config, rank: int | None = None, world_size: int | None = None):
         super().__init__()
-        ws = comm.world_size() if world_size is None else world_size
+        ws = collectives.world_size() if world_size is None else world_size
         self.n_heads, self.n_kv_heads = local_head_counts(c, ws)
         self.head_dim = c.head_dim
         kw = dict(rank=rank, world_size=ws)

@@ -1,5 +1,5 @@
 """Megatron-style tensor-parallel layers: each rank holds a slice of a weight and the collectives
-in `comm` put the slices' results back together.
+in `collectives` put the slices' results back together.
 
 Convention (Megatron's): a dimension of size n split over p ranks gives rank r the contiguous
 slice [r·n/p, (r+1)·n/p). `rank`/`world_size` default to the process group's; passing them lets
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm
+from . import collectives
 
 
 def shard(t: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
@@ -51,8 +51,8 @@ class ColumnParallelLinear(nn.Module):
         world_size: int | None = None,
     ):
         super().__init__()
-        self.rank = comm.rank() if rank is None else rank
-        self.world_size = comm.world_size() if world_size is None else world_size
+        self.rank = collectives.rank() if rank is None else rank
+        self.world_size = collectives.world_size() if world_size is None else world_size
         local = _divide(out_features, self.world_size, "out_features")
         self.weight = nn.Parameter(torch.zeros(local, in_features))
         self.bias = nn.Parameter(torch.zeros(local)) if bias else None
@@ -60,7 +60,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)  # X is replicated, so Y_r needs nothing from other ranks
-        return comm.all_gather(y, dim=-1) if self.gather_output else y
+        return collectives.all_gather(y, dim=-1) if self.gather_output else y
 
 
 class RowParallelLinear(nn.Module):
@@ -82,8 +82,8 @@ class RowParallelLinear(nn.Module):
         world_size: int | None = None,
     ):
         super().__init__()
-        self.rank = comm.rank() if rank is None else rank
-        self.world_size = comm.world_size() if world_size is None else world_size
+        self.rank = collectives.rank() if rank is None else rank
+        self.world_size = collectives.world_size() if world_size is None else world_size
         local = _divide(in_features, self.world_size, "in_features")
         self.weight = nn.Parameter(torch.zeros(out_features, local))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
@@ -92,7 +92,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = shard(x, -1, self.rank, self.world_size)
-        y = comm.all_reduce(F.linear(x, self.weight))  # partial sums X_r A_rᵀ -> X Aᵀ
+        y = collectives.all_reduce(F.linear(x, self.weight))  # partial sums X_r A_rᵀ -> X Aᵀ
         # Adding b before the sum would add it world_size times.
         return y + self.bias if self.bias is not None else y
 
@@ -107,8 +107,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, rank: int | None = None, world_size: int | None = None):
         super().__init__()
-        self.rank = comm.rank() if rank is None else rank
-        self.world_size = comm.world_size() if world_size is None else world_size
+        self.rank = collectives.rank() if rank is None else rank
+        self.world_size = collectives.world_size() if world_size is None else world_size
         local = _divide(num_embeddings, self.world_size, "num_embeddings (vocabulary)")
         self.vocab_start, self.vocab_end = self.rank * local, (self.rank + 1) * local
         self.weight = nn.Parameter(torch.zeros(local, embedding_dim))
@@ -117,7 +117,7 @@ class VocabParallelEmbedding(nn.Module):
         foreign = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(foreign, 0)  # any valid row; zeroed below
         x = F.embedding(local_ids, self.weight).masked_fill(foreign[..., None], 0.0)
-        return comm.all_reduce(x)
+        return collectives.all_reduce(x)
 
 
 def _divide(n: int, world_size: int, what: str) -> int:

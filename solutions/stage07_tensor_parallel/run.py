@@ -19,7 +19,7 @@ from labkit import distributed
 from labkit.evaluate import load_tokenizer
 from labkit.model import load
 
-from . import comm
+from . import collectives
 from .tp_model import TPLlama, shard_state_dict
 
 
@@ -34,7 +34,7 @@ def generate(
     """
     on_gpu = dist.is_initialized() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    rank, world = comm.rank(), comm.world_size()
+    rank, world = collectives.rank(), collectives.world_size()
     full = load(model_path)  # every rank reads the whole file; a big model would read only its slices
     model = TPLlama(full.config)
     model.load_state_dict(shard_state_dict(full.state_dict(), rank, world, full.config))
@@ -50,18 +50,18 @@ def generate(
         out.append(token)
         if token == full.config.eos_token_id:
             break
-        comm.STATS.reset()
+        collectives.STATS.reset()
         t0 = time.perf_counter()
         logits = model(torch.tensor([[token]], device=device), cache)
         step_times.append(time.perf_counter() - t0)
-        step_stats = step_stats or dict(vars(comm.STATS))
+        step_stats = step_stats or dict(vars(collectives.STATS))
     result = {
         "rank": rank,
         "world_size": world,
         "text": tokenizer.decode(out),
         "tokens": out,
         "seconds_per_token": sorted(step_times)[len(step_times) // 2] if step_times else float("nan"),
-        "comm_per_step": step_stats or dict(vars(comm.STATS)),
+        "comm_per_step": step_stats or dict(vars(collectives.STATS)),
         "params_per_rank": sum(p.numel() for p in model.parameters()),
         "params_full": full.num_params(),
     }
