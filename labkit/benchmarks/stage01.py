@@ -4,6 +4,8 @@ Prefill of 128 tokens (one sequence, float32), NumPy vs Hugging Face transformer
 given as many threads as NumPy's BLAS uses. Two models: the tiny target (as a Llama; a random-init
 model of the same shape if the trained one is not there yet) and a random-init model shaped like
 GPT-2 small (124M). Both variants run interleaved in one process; the ratio is what we quote.
+The thread count is NumPy's BLAS default (every core) unless OPENBLAS_NUM_THREADS sets it, e.g.
+`OPENBLAS_NUM_THREADS=1 make bench STAGE=01` on a machine shared with other jobs.
 """
 
 import json
@@ -86,7 +88,9 @@ def main(quick: bool = False) -> dict:
             )
 
     print(
-        bench.table(rows, title=f"Prefill of {PREFILL} tokens, float32, {threads} threads for NumPy's BLAS and torch")
+        bench.table(
+            rows, title=f"Prefill of {PREFILL} tokens, float32, threads={threads} for NumPy's BLAS and for torch"
+        )
     )
     result = {"machine": bench.machine(), "threads": threads, "prefill_tokens": PREFILL, "rows": rows}
     plot.RESULTS.mkdir(exist_ok=True)
@@ -102,7 +106,7 @@ def main(quick: bool = False) -> dict:
     ax.set_xticks(x, [r["model"] for r in rows])
     ax.set_yscale("log")
     ax.set_ylabel("prefill tokens / s (log scale)")
-    ax.set_title(f"Prefill of {PREFILL} tokens, {threads} threads each")
+    ax.set_title(f"Prefill of {PREFILL} tokens, float32, threads={threads} for each")
     ax.legend()
     print(f"saved {plot.save(fig, 'stage01')}")
     return result
