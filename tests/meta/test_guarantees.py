@@ -17,7 +17,7 @@ from labkit import ROOT, STAGES
 from labkit.junit import run_pytest
 
 BUILT = [folder for folder, _ in STAGES.values() if (ROOT / "tests" / folder).is_dir()]
-NOTEBOOK_BUDGET_S = 120  # CPU seconds a handout may take to run top to bottom in CI
+NOTEBOOK_BUDGET_S = 120  # wall seconds a handout may take to run top to bottom in CI
 
 
 def modules(folder: str) -> list[str]:
