@@ -9,9 +9,9 @@ same number of tokens. Reports aggregate output tokens/s and TTFT / TPOT percent
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
-import contextlib
 import socket
 import threading
 import time
@@ -103,7 +103,7 @@ def serving(app, timeout: float = 30.0):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.time() + timeout

@@ -76,7 +76,7 @@ def main(quick: bool = False) -> dict:
     V = model.config.vocab_size
     n = 16 if quick else 32
     concurrency = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
-    prompts, max_tokens = workload(0, n, V, (8, 32) if quick else (16, 128))
+    prompts, max_tokens = workload(0, n, V, (8, 32) if quick else (16, 96))
     total = sum(max_tokens)
     params = [sequence.SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     engine_mod.LLMEngine(model, num_blocks=64).generate(prompts[:2], params[:2])  # warm-up
@@ -108,7 +108,7 @@ def main(quick: bool = False) -> dict:
 
     prefix = prefix_cache_ttft(engine_mod, sequence, model, V, 4 if quick else 8)
     print(bench.table(prefix, "TTFT with a shared 512-token system prompt"))
-    served = server_vs_naive(engine_mod, sequence, model, [4, 16] if quick else [1, 4, 16, 32], 16 if quick else 48)
+    served = server_vs_naive(engine_mod, sequence, model, [4, 16] if quick else [1, 4, 16, 32], 16 if quick else 32)
     print(bench.table(served["rows"], "HTTP serving, streaming clients (labkit.loadtest)"))
     print(bench.table([served["ratios"]], "Server ratios at concurrency 16"))
 
@@ -161,7 +161,7 @@ def server_vs_naive(engine_mod, sequence, model, concurrency: list[int], n: int)
 
     server = load("stage04_batching.server")
     tok = load_tokenizer(TARGET)
-    bodies = workload(0, n, (16, 96))
+    bodies = workload(0, n, (16, 64))
     rows = []
     for name, seqs in (("naive (one at a time)", 1), ("continuous batching", 32)):
         engine = engine_mod.LLMEngine(model, tok, num_blocks=1024, max_num_seqs=seqs)

@@ -36,7 +36,7 @@ class LiveServer:
         app = server_mod.create_app(self.engine, tokenizer, model_name="test-model", **app_kw)
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 20
@@ -191,10 +191,12 @@ def test_queue_limit_answers_429_not_timeouts(tokenizer):
 def test_clients_disconnecting_mid_stream_leave_no_blocks_in_use(server):
     rng = random.Random(0)
     cuts = [rng.randint(0, 12) for _ in range(200)]
+    statuses = []
 
     async def client(c, cut):
         body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
         async with c.stream("POST", "/v1/completions", json=body) as r:
+            statuses.append(r.status_code)
             seen = 0
             async for line in r.aiter_lines():
                 seen += line.startswith("data: ")
@@ -207,6 +209,7 @@ def test_clients_disconnecting_mid_stream_leave_no_blocks_in_use(server):
             await asyncio.wait_for(asyncio.gather(*(client(c, cut) for cut in cuts)), 60)
 
     asyncio.run(main())
+    assert statuses == [200] * 200, f"every client should have been streaming, got {set(statuses)}"
     used = _wait_blocks_free(server.engine)
     assert used == 0, f"200 clients disconnected at random points; {used} KV blocks are still in use"
     assert not server.engine.has_unfinished_requests(), "every abandoned request must be aborted"
