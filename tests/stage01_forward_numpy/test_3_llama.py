@@ -198,7 +198,6 @@ def test_llama_runs_from_a_save_pretrained_folder(impl, name, tmp_path):
     assert delta < 1e-4, f"{name} loaded from save_pretrained: max |Δlogits| = {delta:.2e} (seed=8)"
 
 
-@pytest.mark.skipif(not labkit.TARGET.is_dir(), reason="the tiny target model is not in labkit/assets yet")
 def test_llama_forward_runs_the_tiny_target(impl):
     from labkit.model import load
 
