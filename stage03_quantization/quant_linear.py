@@ -39,7 +39,7 @@ class QuantLinear(nn.Module):
       fp8_*:  codes (out, in) float8, scale () float32
       nf4:    packed (out*in/2,) uint8, absmax (out*in/64,) float32
       nf4_dq: packed, absmax_codes int8, absmax_scales float32, absmax_offset () float32
-      int:    packed (ceil(out*in*bits/8),) uint8, scales (out, in/g) float16, zeros (out, in/g) uint8
+      int:    packed (ceil(out*in/8)*bits,) uint8, scales (out, in/g) float16, zeros (out, in/g) uint8
     """
 
     def __init__(self, in_features: int, out_features: int, fmt: str, bits: int, **buffers: torch.Tensor):
