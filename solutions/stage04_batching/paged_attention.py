@@ -7,7 +7,7 @@ i.e. in "slot" block_table[p // block_size] * block_size + p % block_size of the
 import torch
 import torch.nn.functional as F
 
-from labkit.model import Config, repeat_kv
+from labkit.model import Config
 
 
 class PagedKVCache:
@@ -69,7 +69,7 @@ def paged_attention(
         b = group.nonzero().flatten()
         if len(b) == 0:
             continue
-        rows = torch.cat([torch.arange(int(starts[i]), int(starts[i] + query_lens[i])) for i in b])
+        rows = torch.repeat_interleave(starts[b], query_lens[b]) + _offsets(query_lens[b])
         out[rows] = _attend(q[rows], k_pool, v_pool, block_tables[b], context_lens[b], query_lens[b])
     return out
 
@@ -79,7 +79,7 @@ def _attend(q, k_pool, v_pool, block_tables, context_lens, query_lens):
     B, n_heads, n_kv = len(query_lens), q.shape[1], k_pool.shape[2]
     Tq = int(query_lens.max())
     seq = torch.repeat_interleave(torch.arange(B), query_lens)  # (N,) which sequence each row is
-    col = torch.arange(len(q)) - (torch.cumsum(query_lens, 0) - query_lens)[seq]  # (N,) index in its chunk
+    col = _offsets(query_lens)  # (N,) index in its chunk
     qp = q.new_zeros(B, Tq, n_heads, q.shape[2])
     qp[seq, col] = q
     k = k_pool[block_tables].flatten(1, 2)  # (B, max_blocks * bs, n_kv, D)
@@ -87,11 +87,12 @@ def _attend(q, k_pool, v_pool, block_tables, context_lens, query_lens):
     pos = context_lens[:, None] - query_lens[:, None] + torch.arange(Tq)  # (B, Tq) absolute positions
     key = torch.arange(k.shape[1])
     mask = (key <= pos[:, :, None]) & (key < context_lens[:, None, None])  # (B, Tq, K)
-    n_rep = n_heads // n_kv
     y = F.scaled_dot_product_attention(
-        qp.transpose(1, 2),
-        repeat_kv(k.transpose(1, 2), n_rep),
-        repeat_kv(v.transpose(1, 2), n_rep),
-        attn_mask=mask[:, None],
-    )  # (B, n_heads, Tq, D)
+        qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], enable_gqa=n_heads != n_kv
+    )  # (B, n_heads, Tq, D); query head h reads kv head h // (n_heads // n_kv)
     return y.transpose(1, 2)[seq, col]
+
+
+def _offsets(lens: torch.Tensor) -> torch.Tensor:
+    """[0..lens[0]), [0..lens[1]), ... concatenated."""
+    return torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)

@@ -162,7 +162,10 @@ def test_eviction_is_lru_tail_first_and_spares_cached_blocks_while_uncached_ones
 
 
 @settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+    max_examples=25,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 @given(st.data())
 def test_invariants_hold_under_random_operations(impl, data):
