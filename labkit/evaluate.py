@@ -84,3 +84,21 @@ def report_pair(target, draft, tokenizer) -> dict:
         "step_cost_ratio_draft_over_target": round(d_step / t_step, 3),
         "torch_threads": torch.get_num_threads(),
     }
+
+
+def main() -> None:
+    """python -m labkit.evaluate: re-measure the tiny pair and update training_report.json."""
+    import json
+
+    from . import ASSETS, DRAFT, TARGET
+    from .model import load
+
+    report_file = ASSETS / "training_report.json"
+    report = json.loads(report_file.read_text()) if report_file.exists() else {}
+    report.update(report_pair(load(TARGET), load(DRAFT), load_tokenizer(TARGET)))
+    report_file.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
