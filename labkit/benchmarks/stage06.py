@@ -14,6 +14,8 @@ holds on a memory-bound GPU but not for a CPU).
 """
 
 import json
+import statistics
+import time
 
 import torch
 
@@ -23,17 +25,23 @@ from labkit.model import Llama
 from labkit.model import load as load_model
 
 
-def forward_seconds(model: Llama, n_tokens: int, context: int = 96, repeats: int = 30) -> float:
-    """Median time of one cached forward over n_tokens new tokens after `context` cached ones."""
-    cache = model.new_cache(1, context + n_tokens)
-    model(torch.ones(1, context, dtype=torch.long), cache)
-    ids = torch.ones(1, n_tokens, dtype=torch.long)
-
-    def step():
-        cache.truncate(context)
-        model(ids, cache)
-
-    return bench.measure(step, repeats=repeats, warmup=3).median
+def step_costs(target: Llama, draft: Llama, ks: list[int], context: int = 96, repeats: int = 30) -> dict:
+    """Median seconds of one cached forward: the target over 1 and over k + 1 new tokens, the draft
+    over 1, after `context` cached tokens. Timed interleaved, so load drift hits all alike."""
+    variants = {"draft": (draft, 1), **{f"target{n}": (target, n) for n in sorted({1, *(k + 1 for k in ks)})}}
+    times = {name: [] for name in variants}
+    caches = {}
+    for name, (model, n) in variants.items():
+        caches[name] = model.new_cache(1, context + n)
+        model(torch.ones(1, context, dtype=torch.long), caches[name])
+    for i in range(repeats + 3):
+        for name, (model, n) in variants.items():
+            caches[name].truncate(context)
+            start = time.perf_counter()
+            model(torch.ones(1, n, dtype=torch.long), caches[name])
+            if i >= 3:  # warm-up
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def hf_generate(hf_target, prompt: list[int], n: int, assistant=None, k: int = 0) -> list[int]:
@@ -71,8 +79,9 @@ def main(quick: bool = False) -> list[dict]:
         hf.config.eos_token_id = hf.generation_config.eos_token_id = 10**6
 
     reference = [target.generate(p, new, stop_at_eos=False) for p in prompts]
-    t_step = forward_seconds(target, 1)
-    c = forward_seconds(draft, 1) / t_step
+    costs = step_costs(target, draft, ks)
+    t_step = costs["target1"]
+    c = costs["draft"] / t_step
     rows = []
     for k in ks:
         stats = []
@@ -106,7 +115,7 @@ def main(quick: bool = False) -> list[dict]:
         accepted, proposed = sum(s.accepted for s in stats), sum(s.proposed for s in stats)
         rejected, forwards = sum(s.rejected for s in stats), sum(s.target_forwards for s in stats)
         alpha = accepted / (accepted + rejected)
-        v = forward_seconds(target, k + 1) / t_step
+        v = costs[f"target{k + 1}"] / t_step
         tokens = speedup.expected_tokens_per_step(alpha, k)
         rows.append(
             {
