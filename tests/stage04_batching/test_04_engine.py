@@ -3,8 +3,7 @@ labkit's contiguous-cache model, whatever the batching, chunking, preemption or 
 
 import pytest
 import torch
-
-from conftest import CONFIGS, TokenCounter, make_model, random_prompts, reference
+from stage04_helpers import CONFIGS, TokenCounter, make_model, random_prompts, reference
 
 
 def _engine(impl, model, **kw):

@@ -9,8 +9,8 @@ import time
 
 import httpx
 import pytest
+from stage04_helpers import make_model
 
-from conftest import make_model
 from labkit.impl import load
 
 PROMPT = "Once upon a time, there was"

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from conftest import make_model, random_prompts
+from stage04_helpers import make_model, random_prompts
 
 
 def _params(impl, **kw):
