@@ -22,8 +22,6 @@ from pathlib import Path
 from . import ROOT, STAGES, triton_interpret
 from .junit import Run, run_pytest
 
-NOT_STARTED_MARK = "NotImplementedError"
-
 
 def learner_files(course: Path, folder: str) -> list[Path]:
     """The skeleton modules of a stage: what a learner edits (relative paths)."""
@@ -46,14 +44,18 @@ def status(run: Run) -> tuple[str, str]:
     failed = [c for c in graded if c.outcome == "failed"]
     if not failed:
         return "complete", ""
-    first = failed[0]
+    first = min(failed, key=_section)  # the earliest handout section still to do
     hint = f"{first.name.rsplit('::', 1)[-1]}: {first.message}".strip()
     where = re.findall(r"(stage\d\d_\w+/\w+\.py):(\d+)", first.details)
     if where:  # the deepest frame in the learner's own files
         hint += f"  [{where[-1][0]}:{where[-1][1]}]"
-    if len(failed) == len(graded) and all(NOT_STARTED_MARK in c.message for c in failed):
-        return "not started", hint
-    return "in progress", hint
+    return ("not started" if len(failed) == len(graded) else "in progress"), hint
+
+
+def _section(case) -> tuple[int, int]:
+    """Sort key: TODOs by their handout section (§k), anything else after them."""
+    m = re.search(r"NotImplementedError: .*§(\d+)", case.message)
+    return (0, int(m.group(1))) if m else (1, 0)
 
 
 def grade_stage(course: Path, number: str, timeout: float, verbose: bool) -> dict:
