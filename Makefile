@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # Triton kernels run in its CPU interpreter unless there is an NVIDIA GPU to compile them for.
 export TRITON_INTERPRET ?= $(if $(wildcard /dev/nvidia0),0,1)
 
-.PHONY: setup test grade lab bench check lint format clean-venv
+.PHONY: setup test grade lab bench serve check lint format
 
 setup: .venv/.installed
 
@@ -35,6 +35,10 @@ lab: setup
 bench: setup
 	@test -n "$(STAGE)" || { echo "usage: make bench STAGE=02"; exit 2; }
 	LABS_IMPL=$(IMPL) $(PY) -m labkit.bench $(STAGE)
+
+## make serve [IMPL=student]: stage 04's OpenAI-compatible server on the tiny target, 127.0.0.1:8000
+serve: setup
+	$(PY) -m $(if $(filter solution,$(IMPL)),solutions.)stage04_batching.serve
 
 ## make check: lint and format check
 check lint: setup
