@@ -13,7 +13,6 @@ import platform
 import statistics
 import sys
 import time
-import tracemalloc
 from dataclasses import dataclass
 
 
@@ -56,16 +55,6 @@ def compare(baseline, candidate, repeats: int = 5, warmup: int = 1) -> tuple[Tim
     b = Timing(statistics.median(tb), min(tb), max(tb), repeats)
     c = Timing(statistics.median(tc), min(tc), max(tc), repeats)
     return b, c, b.median / c.median
-
-
-def peak_python_bytes(fn) -> int:
-    """Peak bytes allocated by Python objects (numpy arrays included) while fn() runs."""
-    tracemalloc.start()
-    try:
-        fn()
-        return tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
 
 
 def machine() -> str:
