@@ -95,8 +95,8 @@ def main(argv=None) -> int:
     except ModuleNotFoundError:
         print(f"No benchmark for stage {args.stage}: {name} does not exist.", file=sys.stderr)
         return 2
-    print(f"machine: {machine()}")
     module.main(quick=args.quick)
+    print(f"machine: {machine()}")  # after the run: benchmarks pick their own thread count
     return 0
 
 
