@@ -77,8 +77,7 @@ def _decode_worker(steps: int) -> dict:
                 t0 = time.perf_counter()
                 full(token, full_cache)
                 unsharded_s.append(time.perf_counter() - t0)
-        # alpha: back-to-back all-reduces of one token's hidden state. (Not bench.measure: its
-        # gc.collect() before each call would make the other rank wait for this one's collector.)
+        # alpha: back-to-back all-reduces of one token's hidden state, timed on every rank at once.
         x, n = torch.zeros(1, 1, full.config.hidden_size), 200
         dist.barrier()
         t0 = time.perf_counter()
