@@ -113,10 +113,6 @@ def test_cache_rollback_after_rejection(impl, pair, config, seed):
     )
 
 
-TINY = labkit.TARGET.is_dir() and labkit.DRAFT.is_dir()
-
-
-@pytest.mark.skipif(not TINY, reason="the tiny trained pair is not in labkit/assets yet")
 @pytest.mark.parametrize("k", [2, 4])
 def test_tiny_pair_greedy_identical_and_fewer_forwards(impl, k):
     from labkit.evaluate import heldout, load_tokenizer
