@@ -8,13 +8,18 @@ Only safetensors is read: a pickle checkpoint (pytorch_model.bin) can run code w
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-FAMILIES = {"gpt2": ("gpt2",), "llama": ("llama", "mistral", "qwen2")}
+# model_type values each loader reads; labkit.model and stage 01's Llama loader check every config
+# field that changes the maths, and refuse what they do not implement.
+FAMILIES = {"gpt2": ("gpt2",), "llama": ("llama", "mistral", "qwen2", "qwen3")}
+BYTES_PER_PARAM = {"float32": 4, "float16": 2, "bfloat16": 2}
+PROGRESS_BYTES = 1 << 30  # folders bigger than this report each shard as it loads
 
 
 class CheckpointError(ValueError):
@@ -44,23 +49,64 @@ def read_config(path: str | os.PathLike, family: str | None = None) -> dict:
 
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of the folder, from model.safetensors or a sharded model.safetensors.index.json."""
+    """All tensors of the folder, from model.safetensors or a sharded model.safetensors.index.json.
+
+    A folder over PROGRESS_BYTES prints one line per shard to stderr, so a long load is visibly alive."""
     path = Path(path)
     single, index = path / "model.safetensors", path / "model.safetensors.index.json"
     if single.is_file():
-        return load_file(single)
-    if index.is_file():
+        shards = [single.name]
+    elif index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        state: dict[str, torch.Tensor] = {}
-        for shard in shards:
-            state.update(load_file(path / shard))
-        return state
-    if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+    elif any(path.glob("*.bin")) or any(path.glob("*.pt")):
         raise CheckpointError(
             f"{path} has only pickle weights (.bin/.pt), which this course never loads. Convert them: "
             "load the model with transformers and call save_pretrained(folder, safe_serialization=True)."
         )
-    raise CheckpointError(f"{path} has no model.safetensors (or sharded index); nothing to load.")
+    else:
+        raise CheckpointError(f"{path} has no model.safetensors (or sharded index); nothing to load.")
+    total = sum((path / shard).stat().st_size for shard in shards)
+    state: dict[str, torch.Tensor] = {}
+    done = 0
+    for i, shard in enumerate(shards, 1):
+        state.update(load_file(path / shard))
+        done += (path / shard).stat().st_size
+        if total > PROGRESS_BYTES:
+            print(
+                f"loading {path.name}: shard {i}/{len(shards)}, {done / 2**30:.1f} of {total / 2**30:.1f} GiB",
+                file=sys.stderr,
+            )
+    return state
+
+
+def available_memory() -> int:
+    """Bytes of RAM the OS can hand out now (MemAvailable), or 0 where /proc/meminfo is missing."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def check_fits(path, n_params: int, dtype: torch.dtype, config: dict | None = None) -> None:
+    """Refuse, before reading any weight, a model whose load would not fit in available RAM.
+
+    The peak is the file's tensors (config.json's torch_dtype/dtype) plus the float32 model built
+    from them, plus the final copy when `dtype` is not float32. LABKIT_MEMORY_CHECK=0 skips it."""
+    if os.environ.get("LABKIT_MEMORY_CHECK", "1") == "0":
+        return
+    config = config if config is not None else read_config(path)
+    stored = config.get("torch_dtype") or config.get("dtype") or "float32"
+    per_param = BYTES_PER_PARAM.get(str(stored), 4) + 4 + (dtype.itemsize if dtype != torch.float32 else 0)
+    need, free = n_params * per_param, available_memory()
+    if free and need > free:
+        raise CheckpointError(
+            f"{path}: loading {n_params / 1e9:.2f} B parameters ({stored} on disk, {dtype} in memory) needs "
+            f"about {need / 2**30:.1f} GiB of RAM, but only {free / 2**30:.1f} GiB is available. Use a smaller "
+            "checkpoint (MODEL=...), close other programs, or set LABKIT_MEMORY_CHECK=0 to try anyway."
+        )
 
 
 def check_shapes(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], path) -> None:
@@ -73,6 +119,29 @@ def check_shapes(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, 
                 f"{path}: {name} has shape {tuple(state[name].shape)} but config.json implies "
                 f"{tuple(shape)}. The weights and config.json come from different models."
             )
+
+
+def check_unused(state: dict[str, torch.Tensor], expected, path) -> None:
+    """Strict loading: a tensor nothing reads means the file holds a feature the code ignores."""
+    unused = sorted(set(state) - set(expected))
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise CheckpointError(
+            f"{path}: tensor(s) {shown} are not used by this model. The checkpoint has a feature the code "
+            "does not implement (a bias, a norm, quantized weights...); running without it would not match "
+            "Hugging Face, so it is refused."
+        )
+
+
+def drop_tied_copy(state: dict[str, torch.Tensor], tied: str, source: str, path) -> None:
+    """With tie_word_embeddings, accept a stored copy of the tied matrix only if it IS the source."""
+    if tied in state:
+        if source in state and not torch.equal(state[tied], state[source]):
+            raise CheckpointError(
+                f"{path}: config.json says tie_word_embeddings=true but {tied} differs from {source}. "
+                "Set tie_word_embeddings to false in config.json if the two are meant to differ."
+            )
+        del state[tied]
 
 
 def save(path: str | os.PathLike, config: dict, state: dict[str, torch.Tensor], extra_files=()) -> None:

@@ -16,6 +16,24 @@ from torch import nn
 
 from . import checkpoint
 
+# model_type -> the HF class a folder of that type loads as. Every other model_type is refused.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",  # Llama 2/3/3.1/3.2, SmolLM2, TinyLlama
+    "mistral": "MistralForCausalLM",  # + sliding-window attention
+    "qwen2": "Qwen2ForCausalLM",  # + q/k/v biases
+    "qwen3": "Qwen3ForCausalLM",  # + RMSNorm on every query and key head
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def unsupported(field: str, value, supported: str) -> checkpoint.CheckpointError:
+    """The error for a config.json field this model does not implement: never approximate it."""
+    return checkpoint.CheckpointError(
+        f"config.json has {field}={value!r}, which labkit.model does not implement (supported: {supported}). "
+        "Running it anyway would give logits that differ from Hugging Face's; use a checkpoint of a "
+        f"supported family ({', '.join(ARCHITECTURES)})."
+    )
+
 
 @dataclass
 class Config:
@@ -32,39 +50,109 @@ class Config:
     tie_word_embeddings: bool = True
     bos_token_id: int = 1
     eos_token_id: int = 2
+    model_type: str = "llama"
+    attention_bias: bool = False  # biases on q_proj, k_proj, v_proj (Qwen2, Llama attention_bias)
+    o_proj_bias: bool = False  # a bias on o_proj too (Llama attention_bias, Qwen3 attention_bias)
+    mlp_bias: bool = False  # biases on gate/up/down_proj (Llama mlp_bias)
+    qk_norm: bool = False  # RMSNorm over head_dim on every query and key head (Qwen3)
+    sliding_window: int | None = None  # a query sees only the last `sliding_window` keys (Mistral)
+    rope_scaling: dict | None = None  # HF's rope_parameters minus rope_theta, for linear and llama3
 
     @classmethod
     def from_hf(cls, hf: dict) -> "Config":
-        """From a Llama config.json dict (5.x keeps θ in rope_parameters; 4.x at the top level)."""
-        known = {f.name for f in fields(cls)}
+        """From a config.json dict of a supported model_type; anything it cannot honour is an error.
+
+        RoPE comes in two layouts: transformers 5.x writes rope_parameters = {rope_type, rope_theta, ...};
+        the Hub's 4.x files write rope_scaling = {rope_type (or type), factor, ...} next to a top-level rope_theta.
+        """
+        model_type = hf.get("model_type", "llama")
+        if model_type not in ARCHITECTURES:
+            raise unsupported("model_type", model_type, ", ".join(ARCHITECTURES))
+        if hf.get("hidden_act", "silu") != "silu":
+            raise unsupported("hidden_act", hf["hidden_act"], "'silu' (SwiGLU)")
+        known = {f.name for f in fields(cls)} - {"rope_theta", "rope_scaling", "sliding_window", "model_type"}
         kw = {k: v for k, v in hf.items() if k in known and v is not None}
-        kw.setdefault("num_key_value_heads", hf["num_attention_heads"])
-        kw.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
-        rope = hf.get("rope_parameters") or {}
-        if rope.get("rope_type", "default") != "default":
-            raise checkpoint.CheckpointError(
-                f"rope_type={rope['rope_type']!r} scaling is not implemented by labkit.model; "
-                "use a checkpoint with default RoPE."
-            )
-        kw["rope_theta"] = rope.get("rope_theta", hf.get("rope_theta", cls.rope_theta))
+        kw["model_type"] = model_type
+        # A field config.json leaves out takes the default of that family's HF config class.
+        kv_default = {"mistral": 8, "qwen2": 32, "qwen3": 32}.get(model_type, hf["num_attention_heads"])
+        kw.setdefault("num_key_value_heads", kv_default)
+        kw.setdefault("head_dim", 128 if model_type == "qwen3" else hf["hidden_size"] // hf["num_attention_heads"])
+        kw.setdefault("rms_norm_eps", 1e-6)
+        kw.setdefault("tie_word_embeddings", False)
+        kw.update(family_features(model_type, hf))
+        kw.update(rope_from_hf(hf))
         if isinstance(kw.get("eos_token_id"), list):
             kw["eos_token_id"] = kw["eos_token_id"][0]
         return cls(**kw)
 
     def to_hf(self) -> dict:
-        """A config.json dict that transformers reads as a LlamaForCausalLM."""
+        """A config.json dict that transformers reads as this model_type's *ForCausalLM."""
         d = asdict(self)
-        theta = d.pop("rope_theta")
+        theta, scaling = d.pop("rope_theta"), d.pop("rope_scaling")
+        qkv_bias, o_bias = d.pop("attention_bias"), d.pop("o_proj_bias")
+        d.pop("qk_norm")  # implied by model_type qwen3
+        if self.model_type == "llama":
+            if qkv_bias != o_bias:
+                raise ValueError("a Llama config has one attention_bias for q, k, v and o; they must agree")
+            d["attention_bias"] = qkv_bias
+        elif self.model_type == "qwen3":
+            d["attention_bias"] = o_bias
+        if self.model_type != "llama":
+            d.pop("mlp_bias")
+        if self.model_type == "mistral":
+            d["sliding_window"] = self.sliding_window
+        else:
+            d.pop("sliding_window")
         d.update(
-            architectures=["LlamaForCausalLM"],
-            model_type="llama",
+            architectures=[ARCHITECTURES[self.model_type]],
             hidden_act="silu",
-            attention_bias=False,
-            mlp_bias=False,
-            rope_parameters={"rope_type": "default", "rope_theta": theta},
+            rope_parameters={"rope_type": "default", **(scaling or {}), "rope_theta": theta},
             torch_dtype="bfloat16",
         )
         return d
+
+
+def family_features(model_type: str, hf: dict) -> dict:
+    """The Config flags each family sets, read the way HF's modeling file of that family reads them."""
+    if model_type == "llama":
+        bias = bool(hf.get("attention_bias", False))
+        return dict(attention_bias=bias, o_proj_bias=bias, mlp_bias=bool(hf.get("mlp_bias", False)))
+    if model_type == "mistral":  # MistralAttention has no biases whatever the config says
+        return dict(sliding_window=hf.get("sliding_window"))
+    # Qwen2/Qwen3 can make some layers sliding-window (use_sliding_window, layer_types): not implemented.
+    if hf.get("use_sliding_window"):
+        raise unsupported("use_sliding_window", hf["use_sliding_window"], "false (full attention in every layer)")
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        raise unsupported("layer_types", sorted(layer_types), "every layer 'full_attention'")
+    if model_type == "qwen2":  # q/k/v always have biases, o_proj never
+        return dict(attention_bias=True, o_proj_bias=False)
+    bias = bool(hf.get("attention_bias", False))  # qwen3
+    return dict(attention_bias=bias, o_proj_bias=bias, qk_norm=True)
+
+
+def rope_from_hf(hf: dict) -> dict:
+    """rope_theta and rope_scaling from either layout, refusing RoPE variants not implemented here."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise unsupported("rope_parameters", rope, "one RoPE for every layer")
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise unsupported("rope_type", rope_type, ", ".join(ROPE_TYPES))
+    factor = rope.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if factor not in (None, 1.0):
+        raise unsupported("partial_rotary_factor", factor, "1.0 (RoPE on the whole head)")
+    theta = float(rope.pop("rope_theta", hf.get("rope_theta") or Config.rope_theta))
+    if rope_type == "default":
+        return dict(rope_theta=theta)
+    needs = {"linear": ("factor",), "llama3": LLAMA3_KEYS}[rope_type]
+    missing = [k for k in needs if k not in rope]
+    if missing:
+        raise checkpoint.CheckpointError(f"config.json: rope_type={rope_type!r} needs {missing}, which it lacks")
+    return dict(rope_theta=theta, rope_scaling={"rope_type": rope_type, **{k: rope[k] for k in needs}})
+
+
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 class RMSNorm(nn.Module):
@@ -80,9 +168,34 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
-    """cos, sin of shape (*positions.shape, head_dim) for the half-split (NeoX/HF) pairing."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """The head_dim/2 rotation frequencies θ^(-2i/head_dim), stretched as `scaling` says.
+
+    linear: every frequency divided by `factor` (position interpolation).
+    llama3: wavelengths longer than original_max_position_embeddings / low_freq_factor are divided
+    by `factor`, those shorter than ... / high_freq_factor are kept, and the band between is blended.
+    """
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    old_len = scaling["original_max_position_embeddings"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(in_band, blended, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32, scaling=None):
+    """cos, sin of shape (*positions.shape, head_dim) for the half-split (NeoX/HF) pairing.
+
+    scaling: Config.rope_scaling (None for plain RoPE)."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(positions.device)
     angles = positions.float()[..., None] * inv_freq  # (..., head_dim/2)
     emb = torch.cat([angles, angles], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -137,10 +250,21 @@ class Attention(nn.Module):
     def __init__(self, c: Config):
         super().__init__()
         self.c = c
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3 RMS-normalises every query and key head over head_dim, before RoPE; others pass through.
+
+        q, k: (..., head_dim) in any head layout."""
+        if not self.c.qk_norm:
+            return q, k
+        return self.q_norm(q), self.k_norm(k)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
         B, T, _ = x.shape
@@ -148,6 +272,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q, k = self.norm_qk(q, k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotate before caching
         if cache is not None:
             k, v = cache.write(layer, k, v)
@@ -159,9 +284,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: Config):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -178,6 +303,17 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, mask, cache, layer):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def causal_mask(start: int, T: int, window: int | None = None, device=None) -> torch.Tensor | None:
+    """(T, start + T) bool, True = attend: query i sits at position start + i and sees keys
+    0 .. start + i, or with a sliding window only the last `window` of them. None when nothing is masked."""
+    if T == 1 and (window is None or start < window):
+        return None
+    q = torch.arange(start, start + T, device=device)[:, None]
+    k = torch.arange(start + T, device=device)[None, :]
+    mask = k <= q
+    return mask if window is None else mask & (k > q - window)
 
 
 class Decoder(nn.Module):
@@ -204,11 +340,9 @@ class Llama(nn.Module):
         start = cache.length if cache is not None else 0
         positions = torch.arange(start, start + T, device=input_ids.device)
         x = self.model.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        # Query i sits at absolute position start + i and sees keys 0 .. start + i.
-        mask = None
-        if T > 1:
-            mask = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        c = self.config
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
+        mask = causal_mask(start, T, c.sliding_window, x.device)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, cache, i)
         if cache is not None:
@@ -245,11 +379,13 @@ class Llama(nn.Module):
 
 
 def init_weights(model: Llama, seed: int = 0, std: float = 0.02) -> Llama:
-    """Normal(0, std) linears and embeddings, ones for norms; residual outputs scaled by depth."""
+    """Normal(0, std) linears and embeddings, ones for norms, zero biases; residual outputs scaled by depth."""
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
-        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+        if name.endswith("norm.weight"):
             nn.init.ones_(p)
+        elif name.endswith(".bias"):
+            nn.init.zeros_(p)
         else:
             scale = (
                 std / math.sqrt(2 * model.config.num_hidden_layers)
@@ -262,15 +398,31 @@ def init_weights(model: Llama, seed: int = 0, std: float = 0.02) -> Llama:
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Llama:
-    """Load a Llama-family HF folder (the tiny assets, or any real checkpoint with default RoPE)."""
+    """Load an HF folder of a supported family (ARCHITECTURES), strictly: a config field the model
+    does not implement, a missing tensor, a wrong shape, or a tensor nothing reads is an error."""
     config = Config.from_hf(checkpoint.read_config(path, family="llama"))
+    checkpoint.check_fits(path, num_params(config), dtype)
     model = Llama(config)
     state = checkpoint.load_state_dict(path)
-    checkpoint.check_shapes(state, model.expected_shapes(), path)
+    expected = model.expected_shapes()
+    if config.tie_word_embeddings:
+        checkpoint.drop_tied_copy(state, "lm_head.weight", "model.embed_tokens.weight", path)
+    checkpoint.check_shapes(state, expected, path)
+    checkpoint.check_unused(state, expected, path)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=False)
+    model.load_state_dict(state, strict=True)
     return model.to(dtype).eval()
+
+
+def num_params(c: Config) -> int:
+    """Parameter count implied by a Config, without building the model (for the memory check)."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    attn = c.hidden_size * (2 * q + 2 * kv) + (q + 2 * kv) * c.attention_bias + c.hidden_size * c.o_proj_bias
+    mlp = 3 * c.hidden_size * c.intermediate_size + (2 * c.intermediate_size + c.hidden_size) * c.mlp_bias
+    norms = 2 * c.hidden_size + 2 * c.head_dim * c.qk_norm
+    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    return c.num_hidden_layers * (attn + mlp + norms) + embeddings + c.hidden_size
 
 
 def save(model: Llama, path: str | os.PathLike, extra_files=(), dtype: torch.dtype = torch.bfloat16) -> None:
