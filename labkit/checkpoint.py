@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from . import DRAFT, TARGET
+
 # model_type values each loader reads; labkit.model and stage 01's Llama loader check every config
 # field that changes the maths, and refuse what they do not implement.
 FAMILIES = {"gpt2": ("gpt2",), "llama": ("llama", "mistral", "qwen2", "qwen3")}
@@ -24,6 +26,15 @@ PROGRESS_BYTES = 1 << 30  # folders bigger than this report each shard as it loa
 
 class CheckpointError(ValueError):
     """A model folder that cannot be used, with what is wrong and what to do about it."""
+
+
+def model_folder(variable: str = "MODEL") -> Path:
+    """The model folder the learner chose, one variable for every lab, notebook and make target:
+    env MODEL (default labkit.TARGET) for the model, env DRAFT (default labkit.DRAFT) for a drafter."""
+    defaults = {"MODEL": TARGET, "DRAFT": DRAFT}
+    if variable not in defaults:
+        raise ValueError(f"model_folder({variable!r}): the variable is MODEL or DRAFT")
+    return Path(os.environ.get(variable) or defaults[variable]).expanduser()
 
 
 def read_config(path: str | os.PathLike, family: str | None = None) -> dict:
@@ -136,7 +147,7 @@ def check_unused(state: dict[str, torch.Tensor], expected, path) -> None:
 def drop_tied_copy(state: dict[str, torch.Tensor], tied: str, source: str, path) -> None:
     """With tie_word_embeddings, accept a stored copy of the tied matrix only if it IS the source."""
     if tied in state:
-        if source in state and not torch.equal(state[tied], state[source]):
+        if source in state and not bool((state[tied] == state[source]).all()):
             raise CheckpointError(
                 f"{path}: config.json says tie_word_embeddings=true but {tied} differs from {source}. "
                 "Set tie_word_embeddings to false in config.json if the two are meant to differ."

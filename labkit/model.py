@@ -371,12 +371,6 @@ class Llama(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = {k: tuple(v.shape) for k, v in self.state_dict().items()}
-        if self.config.tie_word_embeddings:
-            shapes.pop("lm_head.weight")  # save_pretrained drops the tied copy
-        return shapes
-
 
 def init_weights(model: Llama, seed: int = 0, std: float = 0.02) -> Llama:
     """Normal(0, std) linears and embeddings, ones for norms, zero biases; residual outputs scaled by depth."""
@@ -402,17 +396,27 @@ def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Llama:
     does not implement, a missing tensor, a wrong shape, or a tensor nothing reads is an error."""
     config = Config.from_hf(checkpoint.read_config(path, family="llama"))
     checkpoint.check_fits(path, num_params(config), dtype)
-    model = Llama(config)
     state = checkpoint.load_state_dict(path)
-    expected = model.expected_shapes()
+    expected = expected_shapes(config)
     if config.tie_word_embeddings:
         checkpoint.drop_tied_copy(state, "lm_head.weight", "model.embed_tokens.weight", path)
     checkpoint.check_shapes(state, expected, path)
     checkpoint.check_unused(state, expected, path)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model = Llama(config)
     model.load_state_dict(state, strict=True)
     return model.to(dtype).eval()
+
+
+def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a checkpoint of `config` holds, with its shape (built on the meta device:
+    no memory). A tied lm_head.weight is left out, as save_pretrained leaves it out."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in Llama(config).state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight")
+    return shapes
 
 
 def num_params(c: Config) -> int:

@@ -77,11 +77,20 @@ def random_gpt2(seed: int = 0, **overrides):
 # keeps its type and factors but a small original_max_position_embeddings, and Mistral's window is
 # short, so both change the logits at test lengths. "layout": "4.x" writes RoPE the way the Hub's
 # files do (rope_scaling + a top-level rope_theta) instead of 5.x's rope_parameters.
-SMALL = dict(vocab_size=101, hidden_size=64, intermediate_size=112, num_hidden_layers=2, max_position_embeddings=256)
+SMALL = dict(
+    vocab_size=101,
+    hidden_size=64,
+    intermediate_size=112,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
 LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16)
 FAMILY_CONFIGS = {
     "llama2": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-5),
-    "llama3": dict(model_type="llama", num_attention_heads=8, num_key_value_heads=2, rope_theta=500_000.0),
+    "llama3-4x-layout": dict(
+        model_type="llama", num_attention_heads=8, num_key_value_heads=2, rope_theta=500_000.0, layout="4.x"
+    ),
     "llama3.1-4x-layout": dict(
         model_type="llama",
         num_attention_heads=8,

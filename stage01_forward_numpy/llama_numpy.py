@@ -115,8 +115,35 @@ def load_llama_params(source: str | os.PathLike | dict, config: dict | None = No
 
 
 def _read_folder(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
-    """config.json and float32 arrays of an HF folder (labkit reads safetensors, bf16 included)."""
+    """config.json and float32 arrays of an HF folder (labkit reads safetensors, bf16 included),
+    after check_plain_llama."""
     # Imported here, not at the top: labkit's reader uses torch, the forward pass must not.
     from labkit.checkpoint import load_arrays, read_config
 
-    return read_config(path, family="llama"), load_arrays(path)
+    config = read_config(path, family="llama")
+    check_plain_llama(config)
+    return config, load_arrays(path)
+
+
+def check_plain_llama(config: dict) -> None:
+    """Refuse a config.json with a feature llama_forward does not compute (given).
+
+    Biases, qk-norm, scaled RoPE and a sliding window are real (Qwen2, Qwen3, Llama 3.1+, Mistral);
+    families.py (given) runs them on top of your functions. Anything unknown is refused outright."""
+    # Imported here for the same reason as in _read_folder.
+    from labkit.model import Config
+
+    c = Config.from_hf(config)  # refuses model types, activations and RoPE types nobody implements
+    extras = {
+        "attention_bias": c.attention_bias or c.o_proj_bias,
+        "mlp_bias": c.mlp_bias,
+        "qk_norm (model_type qwen3)": c.qk_norm,
+        "sliding_window": c.sliding_window,
+        "rope_scaling": c.rope_scaling,
+    }
+    for field, value in extras.items():
+        if value:
+            raise ValueError(
+                f"config.json has {field}={value!r}, which llama_forward does not compute. Load this "
+                "checkpoint with families.load_family_params and run families.family_forward (given)."
+            )

@@ -127,10 +127,14 @@ def transformer_block(x: np.ndarray, block: dict, n_head: int, eps: float = 1e-5
 def gpt2_forward(params: dict, token_ids: np.ndarray) -> np.ndarray:
     """Logits for every position of one sequence.
 
-    params: as returned by load_gpt2_params; token_ids: (T,) int, T <= n_positions.
+    params: as returned by load_gpt2_params; token_ids: (T,) int.
     returns (T, vocab_size) float32: row t scores the token that follows token_ids[: t + 1].
+    Raises ValueError, naming n_positions, when T is longer than the position table params["wpe"]:
+    GPT-2 has no position beyond it, so there is nothing correct to compute.
     """
     T = len(token_ids)
+    if T > len(params["wpe"]):
+        raise ValueError(f"{T} tokens exceed GPT-2's n_positions={len(params['wpe'])}; pass at most that many")
     x = params["wte"][token_ids] + params["wpe"][:T]  # token embedding + learned position embedding
     for block in params["blocks"]:
         x = transformer_block(x, block, params["n_head"], params["eps"])
@@ -191,8 +195,31 @@ def load_gpt2_params(source: str | os.PathLike | dict, config: dict | None = Non
 
 
 def _read_folder(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
-    """config.json and float32 arrays of an HF folder (labkit reads safetensors)."""
+    """config.json and float32 arrays of an HF folder (labkit reads safetensors), after check_config."""
     # Imported here, not at the top: labkit's reader uses torch, the forward pass must not.
     from labkit.checkpoint import load_arrays, read_config
 
-    return read_config(path, family="gpt2"), load_arrays(path)
+    config = read_config(path, family="gpt2")
+    check_config(config)
+    return config, load_arrays(path)
+
+
+# The GPT-2 config.json flags this file implements, with the one value each may take (every GPT-2
+# size, small to xl, uses these). "gelu_pytorch_tanh" is the same tanh formula as "gelu_new".
+FLAGS = {
+    "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
+    "scale_attn_weights": (True,),
+    "scale_attn_by_inverse_layer_idx": (False,),
+}
+
+
+def check_config(config: dict) -> None:
+    """Refuse a config.json whose flags change the maths away from what gpt2_forward computes."""
+    defaults = {"activation_function": "gelu_new", "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False}
+    for field, allowed in FLAGS.items():
+        value = config.get(field, defaults[field])
+        if value not in allowed:
+            raise ValueError(
+                f"config.json has {field}={value!r}, which gpt2_numpy does not implement (supported: "
+                f"{' or '.join(map(repr, allowed))}); its logits would not match Hugging Face's."
+            )

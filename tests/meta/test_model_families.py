@@ -86,7 +86,7 @@ def test_config_round_trips_through_to_hf():
     ],
 )
 def test_unsupported_config_fields_are_refused_by_name(field, value, expect):
-    cfg = family_config_json("llama3")
+    cfg = family_config_json("llama2")
     if field == "rope_scaling":
         cfg.pop("rope_parameters")
     cfg[field] = value
@@ -129,7 +129,7 @@ def test_a_tied_copy_that_differs_is_refused(folders, tmp_path):
 
 
 def test_a_model_too_big_for_memory_is_refused_before_loading(folders, monkeypatch):
-    path, _ = folders["llama3"]
+    path, _ = folders["llama3-4x-layout"]
     monkeypatch.setattr(checkpoint, "available_memory", lambda: 1000)
     with pytest.raises(checkpoint.CheckpointError, match="GiB of RAM"):
         load(path)
