@@ -10,7 +10,7 @@ from torch import nn
 
 from . import corpus
 from .evaluate import pack
-from .model import Llama, rope_cos_sin
+from .model import Llama, causal_mask, rope_cos_sin
 
 
 def calibration_windows(tokenizer, n_windows: int = 8, seq: int = 256) -> torch.Tensor:
@@ -26,12 +26,13 @@ def block_inputs(model: Llama, ids: torch.Tensor):
     """What Llama.forward hands its first decoder layer, so layers can be run one at a time:
     `x = layer(x, cos, sin, mask, None, i)`.
 
-    ids: (B, T) int64 -> x (B, T, hidden), cos/sin (T, head_dim), mask (T, T) bool causal
+    ids: (B, T) int64 -> x (B, T, hidden), cos/sin (T, head_dim), mask (T, T) bool causal (and windowed)
     """
     T = ids.shape[1]
     x = model.model.embed_tokens(ids)
-    cos, sin = rope_cos_sin(torch.arange(T), model.config.head_dim, model.config.rope_theta, x.dtype)
-    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    c = model.config
+    cos, sin = rope_cos_sin(torch.arange(T), c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
+    mask = causal_mask(0, T, c.sliding_window)
     return x, cos, sin, mask
 
 

@@ -155,6 +155,24 @@ def rope_from_hf(hf: dict) -> dict:
 LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
+EXTRAS = ("attention_bias", "o_proj_bias", "mlp_bias", "qk_norm", "sliding_window", "rope_scaling")
+
+
+def refuse_extras(config: Config, where: str, supported: tuple[str, ...] = (), max_len: int | None = None) -> None:
+    """For code that re-implements part of Llama.forward: raise if `config` needs an extra (EXTRAS)
+    that `where` does not implement. A sliding window no sequence (of at most max_len) can exceed is harmless."""
+    for name in EXTRAS:
+        value = getattr(config, name)
+        if name == "sliding_window" and value is not None and max_len is not None and max_len <= value:
+            continue
+        if value and name not in supported:
+            raise checkpoint.CheckpointError(
+                f"{where} does not implement {name}={value!r}, which this {config.model_type} checkpoint uses "
+                f"(it implements {', '.join(supported) or 'none of ' + ', '.join(EXTRAS)}). Its output would "
+                "not match Hugging Face's; run this checkpoint with labkit.model.Llama's own forward and generate."
+            )
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -161,9 +161,9 @@ FAMILY_CONFIGS = {
 }
 
 
-def family_config_json(name: str) -> dict:
-    """FAMILY_CONFIGS[name] as a config.json dict in the layout it names (5.x unless "layout": "4.x")."""
-    cfg = {**SMALL, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", **FAMILY_CONFIGS[name]}
+def family_config_json(name: str, **overrides) -> dict:
+    """FAMILY_CONFIGS[name] (and overrides) as a config.json dict in the layout it names (5.x unless "layout": "4.x")."""
+    cfg = {**SMALL, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", **FAMILY_CONFIGS[name], **overrides}
     layout = cfg.pop("layout", "5.x")
     theta, scaling = cfg.pop("rope_theta", 10_000.0), cfg.pop("rope_scaling", None)
     if layout == "4.x":
@@ -173,13 +173,13 @@ def family_config_json(name: str) -> dict:
     return cfg
 
 
-def random_family(name: str, seed: int = 0):
+def random_family(name: str, seed: int = 0, **overrides):
     """A random-init transformers model of FAMILY_CONFIGS[name], float32, eval mode; returns (model, config.json dict).
 
     Every weight is random, norms and biases included, so a feature the code ignores shows in the logits."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = family_config_json(name)
+    cfg = family_config_json(name, **overrides)
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**cfg)).float().eval()
     with torch.no_grad():

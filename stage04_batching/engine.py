@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from labkit.model import Llama, apply_rope, rope_cos_sin
+from labkit.model import Llama, apply_rope, refuse_extras, rope_cos_sin
 
 from .block_manager import BlockManager
 from .paged_attention import PagedKVCache, paged_attention, slot_mapping
@@ -58,6 +58,10 @@ def safe_length(text: str, stops: list[str]) -> int:
     raise NotImplementedError("stage04: safe_length — see lab.ipynb §5")
 
 
+# What forward_paged implements of real checkpoints' extras (labkit.model.EXTRAS).
+SUPPORTED_EXTRAS = ("attention_bias", "o_proj_bias", "mlp_bias", "qk_norm", "rope_scaling")
+
+
 @torch.no_grad()
 def forward_paged(
     model: Llama,
@@ -77,13 +81,14 @@ def forward_paged(
     c = model.config
     N = len(input_ids)
     x = model.model.embed_tokens(input_ids)  # (N, hidden)
-    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)  # (N, head_dim)
+    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)  # (N, head_dim)
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
         q = attn.q_proj(h).view(N, c.num_attention_heads, c.head_dim)
         k = attn.k_proj(h).view(N, c.num_key_value_heads, c.head_dim)
         v = attn.v_proj(h).view(N, c.num_key_value_heads, c.head_dim)
+        q, k = attn.norm_qk(q, k)  # Qwen3's per-head RMSNorm; a no-op for the others
         q = apply_rope(q.transpose(0, 1), cos, sin).transpose(0, 1)
         k = apply_rope(k.transpose(0, 1), cos, sin).transpose(0, 1)
         cache.write(i, k, v, slots)
@@ -137,6 +142,8 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.max_model_len = min(model.config.max_position_embeddings, num_blocks * block_size)
+        # paged_attention has no sliding window: refuse one that a sequence could outgrow.
+        refuse_extras(model.config, "stage04's paged engine", SUPPORTED_EXTRAS, self.max_model_len)
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None

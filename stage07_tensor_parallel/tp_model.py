@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F  # noqa: F401 (the TODOs use these)
 from torch import nn
 
-from labkit.model import Config, KVCache, Llama, apply_rope, repeat_kv  # noqa: F401 (the TODOs use these)
+from labkit.model import Config, KVCache, Llama, apply_rope, refuse_extras, repeat_kv  # noqa: F401 (the TODOs use these)
 
 from . import collectives
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard  # noqa: F401 (the TODOs use these)
@@ -93,6 +93,9 @@ class TPLlama(Llama):
     """
 
     def __init__(self, config: Config, rank: int | None = None, world_size: int | None = None):
+        # RoPE scaling and a sliding window come with labkit's forward; the sharded layers have no biases
+        # and no qk-norm, so checkpoints that need them are refused.
+        refuse_extras(config, "stage07's TPLlama", ("rope_scaling", "sliding_window"))
         super().__init__(config)  # builds full-size modules, replaced right away (fine at course scale)
         kw = dict(rank=rank, world_size=world_size)
         self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **kw)

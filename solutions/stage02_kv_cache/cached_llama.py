@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from labkit.model import Attention, Llama, apply_rope, repeat_kv, rope_cos_sin
+from labkit.model import Attention, Llama, apply_rope, refuse_extras, repeat_kv, rope_cos_sin
 
 
 def token_positions(start: int, T: int, pad: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,9 +101,16 @@ def forward(model: Llama, input_ids: torch.Tensor, cache=None, pad: torch.Tensor
     Without a cache this is the plain full forward pass. With one, the T tokens are appended;
     pad (B,) gives each row's number of left-padding slots (generate_batched).
     """
+    # Biases live in the projections and a sliding window in the mask; the other extras of real
+    # checkpoints (Qwen3's qk-norm, scaled RoPE) are not in attention_block, so they are refused.
+    c = model.config
+    refuse_extras(c, "stage02's cached_llama", ("attention_bias", "o_proj_bias", "mlp_bias", "sliding_window"))
     T = input_ids.shape[1]
     start = 0 if cache is None else cache.length
     q_pos = token_positions(start, T, pad)
-    # A single query with nothing padded sees every cached key: no mask needed.
-    mask = None if T == 1 and pad is None else attention_mask(q_pos, token_positions(0, start + T, pad))
+    # A single query with nothing padded and no window sees every cached key: no mask needed.
+    if T == 1 and pad is None and c.sliding_window is None:
+        mask = None
+    else:
+        mask = attention_mask(q_pos, token_positions(0, start + T, pad), c.sliding_window)
     return decoder(model, input_ids, q_pos, mask, cache)
