@@ -144,3 +144,31 @@ def test_num_params_matches_the_model():
         config = Config.from_hf(family_config_json(name))
         model = Llama(config)
         assert num_params(config) == model.num_params(), name
+
+
+def test_a_big_sharded_folder_reports_each_shard_and_loads_exactly(tmp_path, monkeypatch, capsys):
+    from labkit.testing import random_family
+
+    hf, _ = random_family("qwen2-tied", seed=SEED)
+    hf.save_pretrained(tmp_path, max_shard_size="60KB")
+    n_shards = len(set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    assert n_shards > 1
+    monkeypatch.setattr(checkpoint, "PROGRESS_BYTES", 0)  # every folder counts as big
+    model = load(tmp_path)
+    err = capsys.readouterr().err
+    assert f"shard {n_shards}/{n_shards}" in err and "GiB" in err, err
+    ids = random_tokens(SEED, T, model.config.vocab_size, batch=1)
+    with torch.no_grad():
+        assert relative_error(model(ids), hf(ids).logits) < 1e-4
+
+
+def test_model_folder_reads_model_and_draft(monkeypatch, tmp_path):
+    import labkit
+
+    monkeypatch.delenv("MODEL", raising=False)
+    monkeypatch.delenv("DRAFT", raising=False)
+    assert checkpoint.model_folder() == labkit.TARGET and checkpoint.model_folder("DRAFT") == labkit.DRAFT
+    monkeypatch.setenv("MODEL", str(tmp_path))
+    assert checkpoint.model_folder("MODEL") == tmp_path
+    with pytest.raises(ValueError, match="MODEL or DRAFT"):
+        checkpoint.model_folder("TARGET")
