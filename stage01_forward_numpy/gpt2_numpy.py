@@ -156,7 +156,9 @@ def _read_folder(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
 
     config = read_config(path, family="gpt2")
     check_config(config)
-    return config, load_arrays(path)
+    arrays = load_arrays(path)
+    check_tensors(arrays, config)
+    return config, arrays
 
 
 # The GPT-2 config.json flags this file implements, with the one value each may take (every GPT-2
@@ -166,6 +168,17 @@ FLAGS = {
     "scale_attn_weights": (True,),
     "scale_attn_by_inverse_layer_idx": (False,),
 }
+
+
+def check_tensors(arrays: dict, config: dict) -> None:
+    """Refuse a file holding a tensor gpt2_forward would not read: a feature it does not implement.
+    Old checkpoints' causal-mask buffers (attn.bias, attn.masked_bias) are not weights and may stay."""
+    names = {"wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias", "lm_head.weight"}
+    names |= {f"h.{i}.{key}" for i in range(config["n_layer"]) for key in BLOCK_KEYS}
+    names |= {f"h.{i}.attn.{buf}" for i in range(config["n_layer"]) for buf in ("bias", "masked_bias")}
+    unused = sorted(k for k in arrays if k.removeprefix("transformer.") not in names)
+    if unused:
+        raise ValueError(f"the checkpoint holds tensors gpt2_forward does not use: {unused[:5]}; it is not plain GPT-2")
 
 
 def check_config(config: dict) -> None:

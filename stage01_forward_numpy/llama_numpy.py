@@ -118,11 +118,14 @@ def _read_folder(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
     """config.json and float32 arrays of an HF folder (labkit reads safetensors, bf16 included),
     after check_plain_llama."""
     # Imported here, not at the top: labkit's reader uses torch, the forward pass must not.
-    from labkit.checkpoint import load_arrays, read_config
+    from labkit.checkpoint import check_unused, load_arrays, read_config
+    from labkit.model import Config, expected_shapes
 
     config = read_config(path, family="llama")
     check_plain_llama(config)
-    return config, load_arrays(path)
+    arrays = load_arrays(path)
+    check_unused(arrays, {**expected_shapes(Config.from_hf(config)), "lm_head.weight": None}, path)
+    return config, arrays
 
 
 def check_plain_llama(config: dict) -> None:

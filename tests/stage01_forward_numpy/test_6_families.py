@@ -101,3 +101,25 @@ def test_gpt2_longer_than_n_positions_says_so(impl):
     ids = np.asarray(random_tokens(SEED, 17, hf.config.vocab_size))
     with pytest.raises(ValueError, match="n_positions=16"):
         gpt2.gpt2_forward(params, ids)
+
+
+def _with_extra_tensor(src, dst, name):
+    """A copy of folder src whose safetensors file also holds `name`: a feature nothing reads."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    save_file({**load_file(src / "model.safetensors"), name: torch.ones(3)}, dst / "model.safetensors")
+    return dst
+
+
+def test_loaders_refuse_a_tensor_nothing_reads(impl, folders, tmp_path):
+    llama = impl("stage01_forward_numpy.llama_numpy")
+    path = _with_extra_tensor(folders["llama2"][0], tmp_path / "llama", "model.layers.0.self_attn.q_proj.bias")
+    with pytest.raises(ValueError, match=r"q_proj\.bias"):
+        llama.load_llama_params(path)
+    gpt2 = impl("stage01_forward_numpy.gpt2_numpy")
+    random_gpt2(SEED).save_pretrained(tmp_path / "gpt2")
+    path = _with_extra_tensor(tmp_path / "gpt2", tmp_path / "gpt2-extra", "transformer.h.0.attn.q_norm.weight")
+    with pytest.raises(ValueError, match=r"q_norm"):
+        gpt2.load_gpt2_params(path)
