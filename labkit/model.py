@@ -2,7 +2,9 @@
 
 One readable file in the spirit of nanoGPT. Module names mirror Hugging Face's `LlamaForCausalLM`,
 so `model.state_dict()` has exactly HF's keys and its logits match HF's on the same weights
-(tests/meta/test_labkit.py checks this). It has an optional contiguous KV cache that can be
+(tests/meta/test_labkit.py checks this). The relatives learners download add a few named extras
+(Config: biases, qk_norm, sliding_window, rope_scaling), each read from config.json the way HF's
+modeling file of that family reads it; anything else is refused (tests/meta/test_model_families.py). It has an optional contiguous KV cache that can be
 truncated, which stages 04, 06 and 07 build on; stage 02 is where the learner writes one.
 """
 
