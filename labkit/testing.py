@@ -246,8 +246,10 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
 
     EOS may be chosen like any other token but does not stop generation: the stop id is set to one
     the vocabulary cannot produce. (min_new_tokens would instead forbid EOS, changing the argmax.)"""
+    ids = torch.tensor([prompt])
     out = hf_model.generate(
-        torch.tensor([prompt]),
+        ids,
+        attention_mask=torch.ones_like(ids),  # every prompt token is real, even one equal to pad_token_id
         max_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=0,
