@@ -53,6 +53,7 @@ class AsyncEngine:
         self.wakeup = asyncio.Event()
         self.task: asyncio.Task | None = None
         self.step_started: float | None = None  # time.monotonic() when the running engine step began
+        self.num_steps = 0
         self.dead: str | None = None  # why the loop is down for good
 
     @property
@@ -115,6 +116,7 @@ class AsyncEngine:
             outputs = await asyncio.to_thread(self.engine.step)
         finally:
             self.step_started = None
+        self.num_steps += 1
         for out in outputs:
             if out.request_id in self.queues:
                 self.metrics.record(out)
@@ -160,8 +162,11 @@ class AsyncEngine:
 
     async def _supervise(self) -> None:
         """Run _loop. If it dies: every waiting and running request gets 503 at once, the engine aborts
-        everything, and the loop restarts on the clean engine; if cleaning fails, stay down (`dead`)."""
+        everything, and the loop restarts on the clean engine. It stays down (`dead`, so /health says why)
+        when cleaning fails, or when the loop died without completing a step since it last started: a
+        fault that recurs at once would only restart forever."""
         while True:
+            steps = self.num_steps
             try:
                 await self._loop()
                 raise RuntimeError("AsyncEngine._loop returned; it must run forever")
@@ -176,7 +181,10 @@ class AsyncEngine:
                         raise RuntimeError(f"{used} KV blocks still in use after aborting every request")
                 except Exception as cleanup:
                     self.dead = f"{reason}; resetting the engine failed too ({type(cleanup).__name__}: {cleanup})"
-                    log.error("engine loop stays down: %s", self.dead)
+                if not self.dead and self.num_steps == steps:
+                    self.dead = f"{reason}; it completed no step since it started, so it stays down"
+                if self.dead:
+                    log.error("the engine loop stays down: %s", self.dead)
                     return
                 self.metrics.observe(self.engine, self.num_waiting)
 
