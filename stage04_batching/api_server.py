@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -45,12 +46,15 @@ def create_app(
     # No prompt the context can hold takes more bytes than this, even with every byte JSON-escaped (\u00XX).
     longest_token = max(len(token) for token in tokenizer.get_vocab())
     max_body_bytes = 6 * longest_token * engine.max_model_len + 16_384
+    # One tokenizing thread: large prompts queue for one core instead of taking every core from the engine.
+    tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         core.start()
         yield
         await core.stop()
+        tokenize_pool.shutdown(wait=False)
 
     app = FastAPI(title="stage04 inference server", lifespan=lifespan)
     app.state.core = core
@@ -81,10 +85,12 @@ def create_app(
         param = "messages" if chat else "prompt"
 
         def tokenize() -> list[int]:
-            return tokenizer.encode(render_chat(req.messages, chat_template) if chat else req.prompt).ids
+            # encode_batch releases the GIL while it works (encode does not), so the event loop runs meanwhile
+            prompt = render_chat(req.messages, chat_template) if chat else req.prompt
+            return tokenizer.encode_batch([prompt])[0].ids
 
         try:
-            ids = await asyncio.to_thread(tokenize)
+            ids = await asyncio.get_running_loop().run_in_executor(tokenize_pool, tokenize)
         except (ValueError, TemplateError) as e:  # a chat template that refuses these messages
             return error(400, f"the chat template refused the messages: {e}", param)
         if not ids:

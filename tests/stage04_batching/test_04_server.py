@@ -166,3 +166,22 @@ def test_clients_disconnecting_mid_stream_leave_no_blocks_in_use(server):
     used = wait_blocks_free(server.engine)
     assert used == 0, f"200 clients disconnected at random points; {used} KV blocks are still in use"
     assert not server.engine.has_unfinished_requests(), "every abandoned request must be aborted"
+
+
+def test_chat_uses_the_checkpoints_chat_template(tokenizer, tmp_path):
+    template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
+    protocol = load("stage04_batching.protocol")
+    assert protocol.load_chat_template(tmp_path.parent) is None, "a folder without a template falls back"
+    server = LiveServer(tokenizer, chat_template=protocol.load_chat_template(tmp_path))
+    try:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3, "temperature": 0})
+        rendered = "<s>[system] Be brief.\n[user] Tell me a story.\n[assistant]"
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(rendered).ids), (
+            f"the prompt must be the template's rendering {rendered!r}"
+        )
+    finally:
+        server.close()
