@@ -11,7 +11,6 @@ not stall other clients' streams). A client that disconnects, streaming or not, 
 import asyncio
 import contextlib
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
@@ -22,8 +21,15 @@ from pydantic import ValidationError
 from .async_engine import AsyncEngine, EngineError, QueueFull, stream_events
 from .engine import LLMEngine, RequestOutput
 from .metrics import CONTENT_TYPE
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest, error, render_chat, validation_error
-from .sequence import SamplingParams
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseBuilder,
+    SamplingRequest,
+    error,
+    render_chat,
+    validation_error,
+)
 
 
 def create_app(
@@ -59,27 +65,8 @@ def create_app(
     app = FastAPI(title="stage04 inference server", lifespan=lifespan)
     app.state.core = core
 
-    async def parse(request: Request, schema: type[SamplingRequest]) -> SamplingRequest | JSONResponse:
-        """The validated body, or the error response: 413 past max_body_bytes (counted as it arrives,
-        before parsing), 400 for invalid JSON or a bad field (naming the field)."""
-        declared = request.headers.get("content-length", "")
-        too_big = error(413, f"the request body exceeds {max_body_bytes} bytes, more than the context holds")
-        if declared.isdigit() and int(declared) > max_body_bytes:
-            return too_big
-        body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > max_body_bytes:
-                return too_big
-        try:
-            return schema.model_validate(json.loads(body))
-        except ValidationError as e:
-            return validation_error(e)
-        except ValueError as e:
-            return error(400, f"the body is not valid JSON: {e}")
-
     async def create_completion(request: Request, chat: bool) -> Response:
-        req = await parse(request, ChatCompletionRequest if chat else CompletionRequest)
+        req = await read_request(request, ChatCompletionRequest if chat else CompletionRequest, max_body_bytes)
         if isinstance(req, Response):
             return req
         param = "messages" if chat else "prompt"
@@ -105,48 +92,20 @@ def create_app(
         problem = core.health()
         if problem:
             return error(503, f"the engine is unavailable: {problem}")
-        params = SamplingParams(
-            max_tokens=req.max_tokens,
-            temperature=req.temperature,
-            top_k=req.top_k,
-            top_p=req.top_p,
-            seed=req.seed,
-            stop=req.stops,
-            ignore_eos=req.ignore_eos,
-        )
         try:
-            request_id, queue = core.submit(ids, params)
+            request_id, queue = core.submit(ids, req.to_sampling_params())
         except QueueFull as e:
             return error(429, f"server busy: {e}; retry later", headers={"Retry-After": "1"})
-        created, name, kind = (
-            int(time.time()),
-            req.model or model_name,
-            "chat.completion" if chat else "text_completion",
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        reply = ResponseBuilder(
+            request_id=request_id,
+            model=req.model or model_name,
+            chat=chat,
+            num_prompt_tokens=len(ids),
+            include_usage=include_usage,
         )
-
-        def usage(out: RequestOutput) -> dict:
-            n = len(out.token_ids)
-            return {"prompt_tokens": len(ids), "completion_tokens": n, "total_tokens": len(ids) + n}
-
-        def chunk(out: RequestOutput) -> dict:
-            reason = out.finish_reason if out.finished else None
-            if chat:
-                choice = {"index": 0, "delta": {"role": "assistant", "content": out.delta_text}}
-            else:
-                choice = {"index": 0, "text": out.delta_text, "logprobs": None}
-            body = {
-                "id": request_id,
-                "object": "chat.completion.chunk" if chat else kind,
-                "created": created,
-                "model": name,
-                "choices": [{**choice, "finish_reason": reason}],
-            }
-            if out.finished and req.stream_options and req.stream_options.include_usage:
-                body["usage"] = usage(out)
-            return body
-
         if req.stream:
-            events = stream_events(core, request_id, queue, chunk, request_timeout)
+            events = stream_events(core, request_id, queue, reply.chunk, request_timeout)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
             out = await until_disconnected(request, final_output(queue, request_timeout))
@@ -156,20 +115,7 @@ def create_app(
             return Response(status_code=499)  # the client has gone; nobody reads this
         if isinstance(out, EngineError):
             return error(out.status, out.message)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}}
-        else:
-            choice = {"index": 0, "text": out.text, "logprobs": None}
-        return JSONResponse(
-            {
-                "id": request_id,
-                "object": kind,
-                "created": created,
-                "model": name,
-                "choices": [{**choice, "finish_reason": out.finish_reason}],
-                "usage": usage(out),
-            }
-        )
+        return JSONResponse(reply.final(out))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -196,6 +142,26 @@ def create_app(
         return Response(core.metrics.exposition(), media_type=CONTENT_TYPE)
 
     return app
+
+
+async def read_request(request: Request, schema: type[SamplingRequest], max_bytes: int) -> SamplingRequest | Response:
+    """The validated body, or the error response: 413 past max_bytes (counted as it arrives, before
+    parsing), 400 for invalid JSON or a bad field (naming the field)."""
+    declared = request.headers.get("content-length", "")
+    too_big = error(413, f"the request body exceeds {max_bytes} bytes, more than any prompt the context holds")
+    if declared.isdigit() and int(declared) > max_bytes:
+        return too_big
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            return too_big
+    try:
+        return schema.model_validate(json.loads(body))
+    except ValidationError as e:
+        return validation_error(e)
+    except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
+        return error(400, f"the body is not valid JSON: {e}")
 
 
 async def final_output(queue: asyncio.Queue, timeout: float) -> RequestOutput | EngineError:

@@ -6,6 +6,8 @@ Given code (vLLM keeps the same pieces in vllm/entrypoints/openai/protocol.py).
 
 import json
 import os
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -13,6 +15,9 @@ from fastapi.responses import JSONResponse
 from jinja2 import Template
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import AfterValidator, BaseModel, Field, ValidationError
+
+from .engine import RequestOutput
+from .sequence import SamplingParams
 
 
 def _encodable(text: str) -> str:
@@ -55,9 +60,16 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # a vLLM extension that load tests use for fixed output lengths
 
-    @property
-    def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    def to_sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            ignore_eos=self.ignore_eos,
+        )
 
 
 class CompletionRequest(SamplingRequest):
@@ -90,6 +102,56 @@ def validation_error(e: ValidationError) -> JSONResponse:
     # pydantic's loc also names union branches ("str", "list[...]"); keep field names and list indices
     field = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or p in names) or None
     return error(400, f"{field}: {first['msg']}" if field else first["msg"], field)
+
+
+@dataclass
+class ResponseBuilder:
+    """The OpenAI bodies of one request: a streamed chunk per output, or the final body."""
+
+    request_id: str
+    model: str
+    chat: bool
+    num_prompt_tokens: int
+    include_usage: bool = False  # stream_options.include_usage: usage in the last chunk
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def usage(self, out: RequestOutput) -> dict:
+        n = len(out.token_ids)
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": n,
+            "total_tokens": self.num_prompt_tokens + n,
+        }
+
+    def chunk(self, out: RequestOutput) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": {"role": "assistant", "content": out.delta_text}}
+        else:
+            choice = {"index": 0, "text": out.delta_text, "logprobs": None}
+        body = self._body("chat.completion.chunk" if self.chat else "text_completion", choice, out)
+        if out.finished and self.include_usage:
+            body["usage"] = self.usage(out)
+        return body
+
+    def final(self, out: RequestOutput) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}}
+        else:
+            choice = {"index": 0, "text": out.text, "logprobs": None}
+        return {
+            **self._body("chat.completion" if self.chat else "text_completion", choice, out),
+            "usage": self.usage(out),
+        }
+
+    def _body(self, kind: str, choice: dict, out: RequestOutput) -> dict:
+        choice["finish_reason"] = out.finish_reason if out.finished else None
+        return {
+            "id": self.request_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
 
 
 def sse(data: dict | str) -> str:

@@ -272,3 +272,11 @@ def test_a_body_larger_than_the_context_is_refused_before_parsing(server, monkey
     monkeypatch.undo()
     assert r.status_code == 413 and r.json()["error"]["message"], f"a 1 MB body: {r.status_code} {r.text[:200]}"
     _still_serving(server)
+
+
+@pytest.mark.parametrize("body", [b"[" * 20_000, b'{"prompt": ' + b"[" * 20_000, b"\xff\xfe not utf-8"])
+def test_malformed_json_is_a_400_not_a_crash(server, body):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"], f"{body[:20]!r}...: {r.status_code} {r.text[:200]}"
+    _still_serving(server)
