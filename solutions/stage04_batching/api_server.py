@@ -171,7 +171,7 @@ async def final_output(queue: asyncio.Queue, timeout: float) -> RequestOutput | 
         try:
             item = await asyncio.wait_for(queue.get(), timeout)
         except TimeoutError:
-            return EngineError(504, f"no output for {timeout} s")
+            return EngineError(status=504, message=f"no output for {timeout} s")
         if isinstance(item, EngineError) or item.finished:
             return item
 

@@ -106,7 +106,7 @@ class AsyncEngine:
         """End a request with an EngineError on its queue (its handler answers status and message)."""
         queue = self.queues.pop(request_id, None)
         if queue is not None:
-            queue.put_nowait(EngineError(status, message))
+            queue.put_nowait(EngineError(status=status, message=message))
             self.metrics.finish(request_id, "error")
 
     async def step(self) -> list[RequestOutput]:
@@ -199,7 +199,7 @@ async def stream_events(
 ) -> AsyncIterator[str]:
     """Server-sent events of one request: sse(chunk(out)) per output with text or a finish reason, then
     SSE_DONE. The status line (200) has gone out already, so a failure is an event too: an EngineError on
-    the queue, or no output for `timeout` seconds (EngineError(504, ...)), ends the stream with
+    the queue, or no output for `timeout` seconds (EngineError(status=504, ...)), ends the stream with
     sse(error_body(status, message)) and SSE_DONE. If the client disconnects (the generator is closed or
     cancelled) or the stream ends before its last output, the request is aborted so its KV blocks are freed."""
     finished = False
@@ -208,7 +208,7 @@ async def stream_events(
             try:
                 item = await asyncio.wait_for(queue.get(), timeout)
             except TimeoutError:
-                item = EngineError(504, f"no output for {timeout} s")
+                item = EngineError(status=504, message=f"no output for {timeout} s")
             if isinstance(item, EngineError):
                 yield sse(error_body(item.status, item.message))
                 break
