@@ -24,12 +24,13 @@ class Metrics:
         """Count one output of a step: a token (TTFT or inter-token latency) and, if final, its status."""
         now = time.perf_counter()
         last = self.last_token.pop(out.request_id, None)
-        if out.finish_reason != "error":
-            self.tokens.inc()
-            if last is None:
-                self.ttft.observe(now - out.arrival_time)
-            else:
-                self.itl.observe(now - last)
+        if out.finish_reason == "error":
+            return  # no token; AsyncEngine.fail counts the request
+        self.tokens.inc()
+        if last is None:
+            self.ttft.observe(now - out.arrival_time)
+        else:
+            self.itl.observe(now - last)
         if out.finished:
             self.requests.labels(out.finish_reason).inc()
         else:

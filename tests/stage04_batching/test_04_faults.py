@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from stage04_helpers import PROMPT, LiveServer, wait_blocks_free
 
 from labkit.impl import load
@@ -105,6 +106,10 @@ def test_a_request_failing_inside_the_step_fails_alone(server, tokenizer, monkey
         assert _text(status, got) == offline, f"seed={seed} {where}: a bystander's text changed: {body}"
     server.engine.fault_hook = None
     _still_serving(server, seed)
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        families = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+    counts = {s.labels["status"]: s.value for s in families["llm_requests"].samples if s.name.endswith("_total")}
+    assert counts.get("error") == 2, f"seed={seed} {where}: /metrics must count the 2 failed requests once: {counts}"
 
 
 def test_add_request_refusals_are_400_and_crashes_500(server, tokenizer, monkeypatch):
