@@ -204,11 +204,12 @@ def test_a_loop_that_cannot_restart_stays_visibly_unhealthy(server, monkeypatch)
 def test_health_reports_a_stalled_engine_step(tokenizer):
     server = LiveServer(tokenizer, stall_timeout=0.3)
     try:
-        server.engine.fault_hook = _slow(1.5)
+        server.engine.fault_hook = _slow(3.0)
         with httpx.Client(base_url=server.url, timeout=30) as c:
             with c.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": True}) as r:
-                time.sleep(0.8)  # the first step is still inside the 1.5 s hook
-                stalled = c.get("/health")
+                deadline = time.time() + 2.5  # the first step stays inside the 3 s hook until then
+                while (stalled := c.get("/health")).status_code == 200 and time.time() < deadline:
+                    time.sleep(0.05)
                 r.read()
             server.engine.fault_hook = None
             wait_blocks_free(server.engine)
@@ -232,11 +233,16 @@ def test_non_streaming_clients_that_leave_abort_their_requests(server):
             await asyncio.gather(*(leave(c) for _ in range(8)))
 
     asyncio.run(main())
-    assert server.engine.has_unfinished_requests(), "the requests were still running when their clients left"
     used = wait_blocks_free(server.engine, seconds=2.0)
     assert used == 0 and not server.engine.has_unfinished_requests(), (
         f"8 non-streaming clients left; 2 s later {used} KV blocks are still in use"
     )
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        families = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+    counts = {s.labels["status"]: s.value for s in families["llm_requests"].samples if s.name.endswith("_total")}
+    tokens = sum(s.value for s in families["llm_generation_tokens"].samples if s.name.endswith("_total"))
+    assert counts.get("abort") == 8, f"each of the 8 requests must be aborted, not run out: {counts}"
+    assert tokens < 8 * 200, f"{tokens} tokens were generated for clients that had left"
     server.engine.fault_hook = None
     _still_serving(server)
 
