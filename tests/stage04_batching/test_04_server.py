@@ -158,7 +158,8 @@ def test_clients_disconnecting_mid_stream_leave_no_blocks_in_use(server):
 
     async def main():
         limits = httpx.Limits(max_connections=50)
-        async with httpx.AsyncClient(base_url=server.url, timeout=30, limits=limits) as c:
+        timeout = httpx.Timeout(30, pool=180)  # 200 clients queue for 50 connections; slow on a loaded machine
+        async with httpx.AsyncClient(base_url=server.url, timeout=timeout, limits=limits) as c:
             await asyncio.wait_for(
                 asyncio.gather(*(client(c, cut) for cut in cuts)), 180
             )  # a bound on a loaded machine, not a speed claim
