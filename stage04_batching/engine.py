@@ -10,6 +10,7 @@ computed, and returns what changed for streaming.
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,11 +31,12 @@ class RequestOutput:
     text: str  # detokenized output so far ("" without a tokenizer)
     delta_text: str  # text that is new since the last output of this request
     finished: bool
-    finish_reason: str | None  # "stop" (EOS or a stop string), "length", "abort"
+    finish_reason: str | None  # "stop" (EOS or a stop string), "length", "abort", "error"
     num_cached_tokens: int
     arrival_time: float
     first_token_time: float | None
     finish_time: float | None
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
@@ -144,6 +146,9 @@ class LLMEngine:
         self.max_model_len = min(model.config.max_position_embeddings, num_blocks * block_size)
         # paged_attention has no sliding window: refuse one that a sequence could outgrow.
         refuse_extras(model.config, "stage04's paged engine", SUPPORTED_EXTRAS, self.max_model_len)
+        # Called with each sequence of a batch just before the forward pass; tests and
+        # `labkit.loadtest --chaos` set it to make a chosen request fail inside step().
+        self.fault_hook: Callable[[Sequence], None] | None = None
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
@@ -171,27 +176,78 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
             seq.finish_time = time.perf_counter()
 
+    def abort_all(self) -> None:
+        """Abort every request, leaving the engine empty with every block free."""
+        for request_id in list(self.requests):
+            self.abort(request_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling decision and one forward pass; outputs of the requests that got a token."""
+        """One scheduling decision and one forward pass; outputs of the requests that got a token.
+
+        A request whose forward pass or sampling raises is finished with reason "error" (its blocks
+        freed, the message in its output); the others in the batch carry on.
+        """
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
         for src, dst in batch.blocks_to_copy:
             self.cache.copy_block(src, dst)
-        logits = run_batch(self.model, self.cache, batch.seqs, batch.num_tokens)
         outputs = []
-        for seq, n, row in zip(batch.seqs, batch.num_tokens, logits, strict=True):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_blocks(seq)
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue  # a prefill chunk that has not reached the end of the prompt yet
-            seq.token_ids.append(sample(row, seq.params, seq.generator))
-            seq.first_token_time = seq.first_token_time or time.perf_counter()
-            outputs.append(self._update(seq))
+        for seq, n, row in zip(batch.seqs, batch.num_tokens, self._forward(batch.seqs, batch.num_tokens), strict=True):
+            try:
+                if isinstance(row, Exception):
+                    raise row
+                seq.num_computed_tokens += n
+                self.block_manager.cache_blocks(seq)
+                if seq.num_computed_tokens < seq.num_tokens:
+                    continue  # a prefill chunk that has not reached the end of the prompt yet
+                seq.token_ids.append(sample(row, seq.params, seq.generator))
+                seq.first_token_time = seq.first_token_time or time.perf_counter()
+                outputs.append(self._update(seq))
+            except NotImplementedError:
+                raise  # an unwritten TODO is not one request's fault
+            except Exception as e:
+                outputs.append(self._fail(seq, e))
         return outputs
+
+    def _forward(self, seqs: list[Sequence], num_tokens: list[int]) -> list[torch.Tensor | Exception]:
+        """Logits (vocab,) of each sequence, or the exception its forward pass raised.
+
+        When the batched pass raises, each sequence runs again alone (rewriting the same cache slots),
+        so one request's fault fails that request only; a fault every sequence hits fails them all.
+        """
+
+        def run(group: list[Sequence], counts: list[int]) -> torch.Tensor:
+            for seq in group:
+                if self.fault_hook is not None:
+                    self.fault_hook(seq)
+            return run_batch(self.model, self.cache, group, counts)
+
+        try:
+            return list(run(seqs, num_tokens))
+        except NotImplementedError:
+            raise
+        except Exception as e:
+            if len(seqs) == 1:
+                return [e]
+        rows: list[torch.Tensor | Exception] = []
+        for seq, n in zip(seqs, num_tokens, strict=True):
+            try:
+                rows.append(run([seq], [n])[0])
+            except Exception as e:
+                rows.append(e)
+        return rows
+
+    def _fail(self, seq: Sequence, e: Exception) -> RequestOutput:
+        """Finish a request the engine could not serve, free its blocks, and say why."""
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "error")
+        self.requests.pop(seq.request_id, None)
+        seq.finish_time = time.perf_counter()
+        return self._output(seq, "", "error", error=f"{type(e).__name__}: {e}")
 
     def generate(
         self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
@@ -225,16 +281,20 @@ class LLMEngine:
             seq.finish_time = time.perf_counter()
         end = len(seq.text) if reason else safe_length(seq.text, p.stop)
         delta, seq.num_sent_chars = seq.text[seq.num_sent_chars : end], max(end, seq.num_sent_chars)
+        return self._output(seq, delta, reason)
+
+    def _output(self, seq: Sequence, delta: str, reason: str | None, error: str | None = None) -> RequestOutput:
         return RequestOutput(
-            seq.request_id,
-            seq.token_ids[: seq.num_prompt_tokens],
-            seq.output_token_ids,
-            seq.text,
-            delta,
-            reason is not None,
-            reason,
-            seq.num_cached_tokens,
-            seq.arrival_time,
-            seq.first_token_time,
-            seq.finish_time,
+            request_id=seq.request_id,
+            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+            token_ids=seq.output_token_ids,
+            text=seq.text,
+            delta_text=delta,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_cached_tokens=seq.num_cached_tokens,
+            arrival_time=seq.arrival_time,
+            first_token_time=seq.first_token_time,
+            finish_time=seq.finish_time,
+            error=error,
         )

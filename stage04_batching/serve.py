@@ -1,32 +1,51 @@
-"""Start the server on the tiny target:  python -m stage04_batching.serve [--port 8000]
+"""Start the server:  python -m stage04_batching.serve [--model PATH] [--port 8000]
 
+    MODEL=path/to/hf-folder make serve      # --model defaults to $MODEL, else labkit's tiny target
     curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
          -d '{"prompt": "Once upon a time", "max_tokens": 40, "stream": true}'
 """
 
 import argparse
+import os
+from pathlib import Path
 
 import uvicorn
 
 from labkit import TARGET
 from labkit.evaluate import load_tokenizer
+from labkit.loadtest import fail_on_marker
 from labkit.model import load
 
+from .api_server import create_app
 from .engine import LLMEngine
-from .server import create_app
+from .protocol import load_chat_template
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(TARGET), help="a Llama-family HF folder (default: the tiny target)")
+    ap.add_argument("--model", default=os.environ.get("MODEL") or str(TARGET), help="a Llama-family HF folder")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--num-blocks", type=int, default=1024)
     ap.add_argument("--max-waiting", type=int, default=128)
+    ap.add_argument(
+        "--fault-marker",
+        help="requests whose prompt holds this text fail inside the engine step "
+        "(to check fault isolation with labkit.loadtest --chaos)",
+    )
     args = ap.parse_args(argv)
-    engine = LLMEngine(load(args.model), load_tokenizer(args.model), args.num_blocks, max_num_seqs=args.max_num_seqs)
-    app = create_app(engine, load_tokenizer(args.model), max_waiting=args.max_waiting)
+    tokenizer = load_tokenizer(args.model)
+    engine = LLMEngine(load(args.model), tokenizer, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs)
+    if args.fault_marker:
+        engine.fault_hook = fail_on_marker(tokenizer, args.fault_marker)
+    app = create_app(
+        engine,
+        tokenizer,
+        model_name=Path(args.model).name,
+        max_waiting=args.max_waiting,
+        chat_template=load_chat_template(args.model),
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

@@ -159,7 +159,7 @@ def server_vs_naive(engine_mod, sequence, model, concurrency: list[int], n: int)
     from labkit.evaluate import load_tokenizer
     from labkit.loadtest import run, serving, workload
 
-    server = load("stage04_batching.server")
+    server = load("stage04_batching.api_server")
     tok = load_tokenizer(TARGET)
     bodies = workload(0, n, (16, 64))
     rows = []

@@ -4,9 +4,15 @@ References are labkit's contiguous-cache model (`Llama.generate`), which tests/m
 Hugging Face, and plain PyTorch ops; never the stage's solution.
 """
 
+import contextlib
 import random
+import time
 
+from labkit.impl import load
+from labkit.loadtest import serving
 from labkit.model import Config, Llama, init_weights
+
+PROMPT = "Once upon a time, there was"
 
 # GQA ratios 1, 2, 4 and MQA, odd head counts, tied and untied embeddings.
 CONFIGS = {
@@ -57,3 +63,33 @@ class TokenCounter:
         self.tokens += args[0].numel()
         self.calls += 1
         self.sizes.append(args[0].numel())
+
+
+class LiveServer:
+    """create_app(...) served by a real uvicorn on a free loopback port (labkit.loadtest.serving), over a
+    small random model; `offline` is a second engine on the same weights for reference outputs."""
+
+    def __init__(self, tokenizer, num_blocks: int = 128, **app_kw):
+        engine_mod = load("stage04_batching.engine")
+        self.api = load("stage04_batching.api_server")
+        self.model = make_model(7, vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=256)
+        self.engine = engine_mod.LLMEngine(self.model, tokenizer, num_blocks=num_blocks, max_num_seqs=8)
+        self.offline = engine_mod.LLMEngine(self.model, tokenizer, num_blocks=64)
+        self.app = self.api.create_app(self.engine, tokenizer, model_name="test-model", **app_kw)
+        self._stack = contextlib.ExitStack()
+        self.url = self._stack.enter_context(serving(self.app, timeout=20))
+
+    @property
+    def core(self):
+        return self.app.state.core
+
+    def close(self):
+        self._stack.close()
+
+
+def wait_blocks_free(engine, seconds: float = 10.0) -> int:
+    """Poll until the engine holds no request and no block (or `seconds` pass); the blocks still in use."""
+    deadline = time.time() + seconds
+    while time.time() < deadline and (engine.block_manager.num_used_blocks or engine.has_unfinished_requests()):
+        time.sleep(0.02)
+    return engine.block_manager.num_used_blocks

@@ -3,52 +3,12 @@
 import asyncio
 import json
 import random
-import socket
-import threading
-import time
 
 import httpx
 import pytest
-from stage04_helpers import make_model
+from stage04_helpers import PROMPT, LiveServer, wait_blocks_free
 
 from labkit.impl import load
-
-PROMPT = "Once upon a time, there was"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class LiveServer:
-    """uvicorn serving create_app(...) in a background thread; stopped (gracefully) at teardown."""
-
-    def __init__(self, tokenizer, **app_kw):
-        import uvicorn
-
-        engine_mod = load("stage04_batching.engine")
-        server_mod = load("stage04_batching.server")
-        self.model = make_model(7, vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=256)
-        self.engine = engine_mod.LLMEngine(self.model, tokenizer, num_blocks=128, max_num_seqs=8)
-        self.offline = engine_mod.LLMEngine(self.model, tokenizer, num_blocks=64)
-        app = server_mod.create_app(self.engine, tokenizer, model_name="test-model", **app_kw)
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="critical"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 20
-        while not self.server.started:
-            if time.time() > deadline or not self.thread.is_alive():
-                self.close()
-                raise RuntimeError("the test server did not start within 20 s")
-            time.sleep(0.05)
-
-    def close(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +25,6 @@ def _sse(response) -> list[dict]:
             data = line[len("data: ") :]
             events.append("[DONE]" if data == "[DONE]" else json.loads(data))
     return events
-
-
-def _wait_blocks_free(engine, seconds=10.0) -> int:
-    deadline = time.time() + seconds
-    while time.time() < deadline and (engine.block_manager.num_used_blocks or engine.has_unfinished_requests()):
-        time.sleep(0.05)
-    return engine.block_manager.num_used_blocks
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -182,7 +135,7 @@ def test_queue_limit_answers_429_not_timeouts(tokenizer):
         with httpx.Client(base_url=server.url, timeout=30) as c:
             r = c.post("/v1/completions", json=body)
         assert r.status_code == 200, "once the queue drains requests are admitted again"
-        assert _wait_blocks_free(server.engine) == 0, "all blocks free after the burst"
+        assert wait_blocks_free(server.engine) == 0, "all blocks free after the burst"
     finally:
         server.close()
 
@@ -205,11 +158,33 @@ def test_clients_disconnecting_mid_stream_leave_no_blocks_in_use(server):
 
     async def main():
         limits = httpx.Limits(max_connections=50)
-        async with httpx.AsyncClient(base_url=server.url, timeout=30, limits=limits) as c:
-            await asyncio.wait_for(asyncio.gather(*(client(c, cut) for cut in cuts)), 60)
+        timeout = httpx.Timeout(30, pool=180)  # 200 clients queue for 50 connections; slow on a loaded machine
+        async with httpx.AsyncClient(base_url=server.url, timeout=timeout, limits=limits) as c:
+            await asyncio.wait_for(
+                asyncio.gather(*(client(c, cut) for cut in cuts)), 180
+            )  # a bound on a loaded machine, not a speed claim
 
     asyncio.run(main())
     assert statuses == [200] * 200, f"every client should have been streaming, got {set(statuses)}"
-    used = _wait_blocks_free(server.engine)
+    used = wait_blocks_free(server.engine)
     assert used == 0, f"200 clients disconnected at random points; {used} KV blocks are still in use"
     assert not server.engine.has_unfinished_requests(), "every abandoned request must be aborted"
+
+
+def test_chat_uses_the_checkpoints_chat_template(tokenizer, tmp_path):
+    template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
+    protocol = load("stage04_batching.protocol")
+    assert protocol.load_chat_template(tmp_path.parent) is None, "a folder without a template falls back"
+    server = LiveServer(tokenizer, chat_template=protocol.load_chat_template(tmp_path))
+    try:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
+        with httpx.Client(base_url=server.url, timeout=30) as c:
+            r = c.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3, "temperature": 0})
+        rendered = "<s>[system] Be brief.\n[user] Tell me a story.\n[assistant]"
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(rendered).ids), (
+            f"the prompt must be the template's rendering {rendered!r}"
+        )
+    finally:
+        server.close()

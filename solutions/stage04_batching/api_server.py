@@ -1,0 +1,195 @@
+"""The HTTP routes of the OpenAI-compatible server (given code; vLLM: entrypoints/openai/api_server.py).
+
+    app = create_app(engine, tokenizer)    # python -m stage04_batching.serve runs it with uvicorn
+
+/v1/completions and /v1/chat/completions (streaming or not), /v1/models, /health, /metrics. A request
+is checked before it costs anything: its body size before parsing, every field against what the engine
+can take, its length against the context after tokenizing (in a worker thread, so a large prompt does
+not stall other clients' streams). A client that disconnects, streaming or not, aborts its request.
+"""
+
+import asyncio
+import contextlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import Template, TemplateError
+from pydantic import ValidationError
+
+from .async_engine import AsyncEngine, EngineError, QueueFull, stream_events
+from .engine import LLMEngine, RequestOutput
+from .metrics import CONTENT_TYPE
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseBuilder,
+    SamplingRequest,
+    error,
+    render_chat,
+    validation_error,
+)
+
+
+def create_app(
+    engine: LLMEngine,
+    tokenizer,
+    model_name: str = "tiny-target",
+    max_waiting: int = 64,
+    request_timeout: float = 60.0,
+    stall_timeout: float = 30.0,
+    chat_template: Template | None = None,
+) -> FastAPI:
+    """The FastAPI app over `engine` (whose steps it runs) and its `tokenizers.Tokenizer`.
+
+    max_waiting: requests allowed to wait for admission before new ones get 429.
+    request_timeout: seconds a request may wait for its next output before it fails with 504.
+    stall_timeout: seconds one engine step may run before /health reports the engine stalled.
+    chat_template: from protocol.load_chat_template; None formats chats as `role: content` lines.
+    """
+    core = AsyncEngine(engine, max_waiting, stall_timeout)
+    # No prompt the context can hold takes more bytes than this, even with every byte JSON-escaped (\u00XX).
+    longest_token = max(len(token) for token in tokenizer.get_vocab())
+    max_body_bytes = 6 * longest_token * engine.max_model_len + 16_384
+    # One tokenizing thread: large prompts queue for one core instead of taking every core from the engine.
+    tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        core.start()
+        yield
+        await core.stop()
+        tokenize_pool.shutdown(wait=False)
+
+    app = FastAPI(title="stage04 inference server", lifespan=lifespan)
+    app.state.core = core
+
+    async def create_completion(request: Request, chat: bool) -> Response:
+        req = await read_request(request, ChatCompletionRequest if chat else CompletionRequest, max_body_bytes)
+        if isinstance(req, Response):
+            return req
+        param = "messages" if chat else "prompt"
+
+        def tokenize() -> list[int]:
+            # encode_batch releases the GIL while it works (encode does not), so the event loop runs meanwhile
+            prompt = render_chat(req.messages, chat_template) if chat else req.prompt
+            return tokenizer.encode_batch([prompt])[0].ids
+
+        try:
+            ids = await asyncio.get_running_loop().run_in_executor(tokenize_pool, tokenize)
+        except (ValueError, TemplateError) as e:  # a chat template that refuses these messages
+            return error(400, f"the chat template refused the messages: {e}", param)
+        if not ids:
+            return error(400, f"the {param} is empty", param)
+        if len(ids) + req.max_tokens > engine.max_model_len:
+            return error(
+                400,
+                f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context of "
+                f"{engine.max_model_len} tokens",
+                param,
+            )
+        problem = core.health()
+        if problem:
+            return error(503, f"the engine is unavailable: {problem}")
+        try:
+            request_id, queue = core.submit(ids, req.to_sampling_params())
+        except QueueFull as e:
+            return error(429, f"server busy: {e}; retry later", headers={"Retry-After": "1"})
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        reply = ResponseBuilder(
+            request_id=request_id,
+            model=req.model or model_name,
+            chat=chat,
+            num_prompt_tokens=len(ids),
+            include_usage=include_usage,
+        )
+        if req.stream:
+            events = stream_events(core, request_id, queue, reply.chunk, request_timeout)
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            out = await until_disconnected(request, final_output(queue, request_timeout))
+        finally:
+            core.abort(request_id)  # frees the blocks on timeout or disconnect; a no-op once it finished
+        if out is None:
+            return Response(status_code=499)  # the client has gone; nobody reads this
+        if isinstance(out, EngineError):
+            return error(out.status, out.message)
+        return JSONResponse(reply.final(out))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await create_completion(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await create_completion(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "course"}]}
+
+    @app.get("/health")
+    async def health():
+        problem = core.health()
+        if problem:
+            return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        core.metrics.observe(engine, core.num_waiting)
+        return Response(core.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def read_request(request: Request, schema: type[SamplingRequest], max_bytes: int) -> SamplingRequest | Response:
+    """The validated body, or the error response: 413 past max_bytes (counted as it arrives, before
+    parsing), 400 for invalid JSON or a bad field (naming the field)."""
+    declared = request.headers.get("content-length", "")
+    too_big = error(413, f"the request body exceeds {max_bytes} bytes, more than any prompt the context holds")
+    if declared.isdigit() and int(declared) > max_bytes:
+        return too_big
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > max_bytes:
+            return too_big
+    try:
+        return schema.model_validate(json.loads(body))
+    except ValidationError as e:
+        return validation_error(e)
+    except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
+        return error(400, f"the body is not valid JSON: {e}")
+
+
+async def final_output(queue: asyncio.Queue, timeout: float) -> RequestOutput | EngineError:
+    """The last output of a non-streaming request, its EngineError, or EngineError(504) after `timeout`
+    seconds without an output."""
+    while True:
+        try:
+            item = await asyncio.wait_for(queue.get(), timeout)
+        except TimeoutError:
+            return EngineError(status=504, message=f"no output for {timeout} s")
+        if isinstance(item, EngineError) or item.finished:
+            return item
+
+
+async def until_disconnected(request: Request, work):
+    """Await `work`, or cancel it and return None if the client disconnects first (vLLM's
+    with_cancellation): the body has been read, so the next ASGI message is the disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else None

@@ -1,0 +1,58 @@
+"""labkit.loadtest --chaos against the reference server: disconnects (streaming and not), invalid bodies
+and requests failing inside the engine, mixed into normal load, leave every healthy request completed,
+no KV block in use and the server still serving. Bounded: 48 requests, a few seconds on a small model."""
+
+import asyncio
+
+import pytest
+import torch
+
+from labkit import TARGET, impl
+from labkit.evaluate import load_tokenizer
+from labkit.loadtest import chaos, fail_on_marker, main, serving
+from labkit.model import Config, Llama, init_weights
+
+
+@pytest.fixture(scope="module")
+def reference_server():
+    """The solution's server over a small random model with the tiny target's tokenizer and the fault hook."""
+    tokenizer = load_tokenizer(TARGET)
+    config = Config(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
+    model = init_weights(Llama(config), seed=0, std=0.08).float().eval()
+    engine = impl.load("stage04_batching.engine", impl="solution").LLMEngine(model, tokenizer, num_blocks=256)
+    engine.fault_hook = fail_on_marker(tokenizer)
+    app = impl.load("stage04_batching.api_server", impl="solution").create_app(engine, tokenizer, max_waiting=256)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with serving(app) as url:
+        yield url, engine
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chaos_leaves_every_healthy_request_completed_and_no_block_in_use(reference_server, seed):
+    url, engine = reference_server
+    report = asyncio.run(asyncio.wait_for(chaos(url, n=48, concurrency=8, seed=seed), 120))
+    assert report["ok"], f"seed={seed}: {report}"
+    assert report["healthy"] and report["disconnected"] and report["invalid"] and report["faults"], (
+        f"seed={seed}: the mix must hold every kind of request: {report}"
+    )
+    assert report["faults_failed_alone"] == report["faults"], f"seed={seed}: {report}"
+    assert engine.block_manager.num_used_blocks == 0 and not engine.has_unfinished_requests(), f"seed={seed}"
+
+
+def test_chaos_command_line_exits_0_on_a_healthy_server(reference_server, capsys):
+    url, _ = reference_server
+    with pytest.raises(SystemExit) as done:
+        main(["--url", url, "--chaos", "--requests", "16", "--concurrency", "4"])
+    assert done.value.code == 0, capsys.readouterr().out
+    assert "kv_blocks_in_use" in capsys.readouterr().out
