@@ -30,6 +30,23 @@ class Hessian:
 
 
 @torch.no_grad()
+def gptq_quantize_slow(
+    W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128, percdamp: float = 0.01
+) -> torch.Tensor:
+    """GPTQ the long way (Optimal Brain Quantization): step 1 of lab.ipynb §6, before gptq_quantize.
+
+    Dead inputs and damping as in gptq_quantize, then an explicit H⁻¹ and, for each column i in order:
+    at the start of a group fit the group's grid on its current weights (quantize_groupwise), round
+    column i on it, move its rounding error onto the later columns with the update that keeps the
+    layer's output error smallest, and remove column i from the problem. No Cholesky, no blocks.
+
+    W: (out, in) float, H: (in, in) float; group_size divides in; arithmetic in float64
+    returns W_hat (out, in) float64, the dequantized weights (gptq_quantize's, up to rounding)
+    """
+    raise NotImplementedError("stage03: gptq_quantize_slow — see lab.ipynb §6")
+
+
+@torch.no_grad()
 def gptq_quantize(
     W: torch.Tensor,
     H: torch.Tensor,

@@ -7,16 +7,20 @@ c:     time of one draft step / time of one target step.
 
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
-    """Expected tokens emitted per target forward: 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha).
+    """Expected number of tokens one round emits per target forward (lab.ipynb §1 derives it).
 
-    Counts the target's bonus token, so it lies in [1, k + 1]; equals k + 1 when alpha == 1.
+    Counts the accepted drafts and the target's own token at the end of the round, so it lies in
+    [1, k + 1]; exactly k + 1 when alpha == 1 (mind a closed form that divides by 1 - alpha).
     """
     raise NotImplementedError("stage06: expected_tokens_per_step — see lab.ipynb §1")
 
 
 def expected_speedup(alpha: float, k: int, c: float) -> float:
-    """Expected wall-clock speedup over plain target decoding: tokens per round / cost of a round,
-    where a round costs k draft steps (k·c) plus one target forward (1). k = 0 gives 1.0."""
+    """Expected wall-clock speedup over plain target decoding, for rounds of k drafts.
+
+    Time is measured in target steps: a round runs k draft steps and one target forward (which
+    scores k + 1 positions as fast as one, the memory-bound assumption). k = 0 gives 1.0.
+    """
     raise NotImplementedError("stage06: expected_speedup — see lab.ipynb §1")
 
 

@@ -1,8 +1,7 @@
 """How much tensor parallelism communicates, and an alpha-beta model of a decode step's time.
 
-Counting: every collective in a TP forward pass carries activations, never weights. Per token,
-each layer all-reduces two hidden-sized vectors (after o_proj and after down_proj), the
-vocab-parallel embedding one more, and the LM head all-gathers vocab_size / world_size logits.
+Counting: every collective in a TP forward pass carries activations, never weights; lab.ipynb §6
+counts them from the layer placement of §5.
 
 Timing a decode step (batch sequences, one new token each) on one of `tp` identical devices:
 
@@ -10,9 +9,7 @@ Timing a decode step (batch sequences, one new token each) on one of `tp` identi
     comm    = Σ over collectives of the alpha-beta cost (alpha = link_latency, beta = link_bandwidth)
     total   = max(compute, memory) + comm     (the collectives sit on the critical path)
 
-Ring all-reduce of m bytes over p ranks: 2(p−1) steps, each sending m/p bytes,
-    t = 2(p−1)·alpha + 2(p−1)/p · m / beta.
-Ring all-gather where each rank contributes m bytes: t = (p−1)·alpha + (p−1) · m / beta.
+lab.ipynb §7 derives each term, the ring collectives' costs included, from what moves where.
 """
 
 from __future__ import annotations  # signatures name StepTime, not the module it came from
@@ -59,8 +56,10 @@ class StepTime:
 def comm_bytes_per_token(config: Config, world_size: int, dtype_bytes: int = 4) -> dict[str, int]:
     """Bytes one rank contributes to collectives per token in a full forward pass.
 
-    {"all_reduce": (2·num_hidden_layers + 1) · hidden_size · dtype_bytes,
-     "all_gather": vocab_size / world_size · dtype_bytes}; both 0 when world_size == 1.
+    returns {"all_reduce": bytes summed over every all-reduce of the pass (embedding and layers),
+             "all_gather": bytes this rank adds to the all-gather of the logits}, for elements of
+    dtype_bytes each; both 0 when world_size == 1, where no collective runs. lab.ipynb §6 derives
+    the counts from the layer placement.
     """
     raise NotImplementedError("stage07: comm_bytes_per_token — see lab.ipynb §6")
 
@@ -86,14 +85,18 @@ def tp_step_time(
     context: int = 0,
     dtype_bytes: int = 2,
 ) -> StepTime:
-    """Alpha-beta/roofline estimate of one decode step at tensor-parallel size tp.
+    """Alpha-beta/roofline estimate of one decode step at tensor-parallel size tp (lab.ipynb §7 derives it).
 
-    Per rank, with W = weights_per_rank(config, tp), (h, kv) = local_head_counts(config, tp),
-    L layers, d = head_dim:
-      compute = (2·batch·W + 4·batch·context·L·h·d) / flops     (matmuls + attention over context)
-      memory  = (W + 2·batch·context·L·kv·d) · dtype_bytes / hbm_bandwidth   (weights + KV cache)
-      comm    = (2L + 1) ring all-reduces of batch·hidden·dtype_bytes bytes
-                + one ring all-gather of batch·(vocab/tp)·dtype_bytes bytes per rank; 0 at tp == 1
-    link_bandwidth in bytes/s, link_latency in s, flops in FLOP/s, hbm_bandwidth in bytes/s.
+    Per rank, with W = weights_per_rank(config, tp) and (h, kv) = local_head_counts(config, tp):
+      compute  the step's FLOPs / flops: every one of the `batch` new tokens multiplies through W
+               weights, and in every layer attends with h query heads over `context` cached
+               positions (scores, then the weighted sum of values); a multiply-add is 2 FLOPs
+      memory   the bytes streamed from HBM / hbm_bandwidth: the W weights once, and the K and V of
+               this rank's kv heads for every cached position of every sequence in every layer
+      comm     the ring all-reduces and the ring all-gather of one forward pass (§6's counts,
+               `batch` tokens wide), each step of a ring costing link_latency + bytes / link_bandwidth;
+               0 at tp == 1
+    Every element is dtype_bytes wide; link_bandwidth in bytes/s, link_latency in s, flops in
+    FLOP/s, hbm_bandwidth in bytes/s.
     """
     raise NotImplementedError("stage07: tp_step_time — see lab.ipynb §7")

@@ -19,10 +19,10 @@ group, and that rank keeps a copy of the group's KV head. Anything else is a Val
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F  # noqa: F401 (the TODOs use these)
+import torch.nn.functional as F
 from torch import nn
 
-from labkit.model import Config, KVCache, Llama, apply_rope, refuse_extras, repeat_kv  # noqa: F401 (the TODOs use these)
+from labkit.model import Config, KVCache, Llama, apply_rope, refuse_extras, repeat_kv
 
 from . import collectives
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, shard  # noqa: F401 (the TODOs use these)
@@ -66,7 +66,16 @@ class TPAttention(nn.Module):
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
         """x: (B, T, hidden) replicated -> (B, T, hidden) replicated, after one all-reduce."""
-        raise NotImplementedError("stage07: TPAttention.forward — see lab.ipynb §5")
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.write(layer, k, v)
+        n_rep = self.n_heads // self.n_kv_heads
+        y = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=mask)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class TPMLP(nn.Module):

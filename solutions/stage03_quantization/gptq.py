@@ -35,6 +35,39 @@ class Hessian:
 
 
 @torch.no_grad()
+def gptq_quantize_slow(
+    W: torch.Tensor, H: torch.Tensor, bits: int = 4, group_size: int = 128, percdamp: float = 0.01
+) -> torch.Tensor:
+    """GPTQ the long way (Optimal Brain Quantization): step 1 of lab.ipynb §6, before gptq_quantize.
+
+    Dead inputs and damping as in gptq_quantize, then an explicit H⁻¹ and, for each column i in order:
+    at the start of a group fit the group's grid on its current weights (quantize_groupwise), round
+    column i on it, move its rounding error onto the later columns with the update that keeps the
+    layer's output error smallest, and remove column i from the problem. No Cholesky, no blocks.
+
+    W: (out, in) float, H: (in, in) float; group_size divides in; arithmetic in float64
+    returns W_hat (out, in) float64, the dequantized weights (gptq_quantize's, up to rounding)
+    """
+    W, H = W.clone().double(), H.clone().double()
+    dead = H.diag() == 0  # an input that is always 0: any weight works, pick 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    H += percdamp * H.diag().mean() * torch.eye(len(H), dtype=H.dtype)
+    Hinv = torch.linalg.inv(H)
+    W_hat = torch.zeros_like(W)
+    for i in range(W.shape[1]):
+        if i % group_size == 0:  # the group's grid, fitted on its weights as updated so far
+            _, scale, zero = quantize_groupwise(W[:, i : i + group_size], bits, group_size)
+            scale, zero = scale[:, 0], zero[:, 0].double()
+        q = torch.clamp(torch.round(W[:, i] / scale) + zero, 0, 2**bits - 1)
+        W_hat[:, i] = scale * (q - zero)
+        err = (W[:, i] - W_hat[:, i]) / Hinv[i, i]
+        W[:, i + 1 :] -= torch.outer(err, Hinv[i, i + 1 :])  # the best change of the columns still free
+        Hinv -= torch.outer(Hinv[:, i], Hinv[i, :]) / Hinv[i, i]  # column i is fixed: eliminate it
+    return W_hat
+
+
+@torch.no_grad()
 def gptq_quantize(
     W: torch.Tensor,
     H: torch.Tensor,

@@ -23,6 +23,9 @@ F32_ATTN = {"Q": "*fp32", "K": "*fp32", "V": "*fp32", "O": "*fp32", "LSE": "*fp3
 INTS = {"H": "i32", "H_KV": "i32", "T": "i32"}
 DECODE = {"O_PART": "*fp32", "LSE_PART": "*fp32", "sm_scale": "fp32", "H": "i32", "H_KV": "i32"}
 SPECS = {
+    "row_max_kernel": [
+        ("fp16", {"X": "*fp16", "OUT": "*fp32", "n_cols": "i32"}, {"BLOCK": 256}),
+    ],
     "softmax_kernel": [
         ("fp16", {"X": "*fp16", "Y": "*fp16", "n_cols": "i32"}, {"BLOCK": 256}),
     ],
@@ -55,6 +58,7 @@ SPECS = {
     ],
 }
 KERNEL_MODULE = {
+    "row_max_kernel": "row_max",
     "softmax_kernel": "softmax_kernel",
     "flash_attention_kernel": "flash_attention",
     "decode_split_kernel": "flash_decoding",
