@@ -5,8 +5,6 @@ STAGE ?=
 IMPL ?= solution
 export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
-# Triton kernels run in its CPU interpreter unless there is an NVIDIA GPU to compile them for.
-export TRITON_INTERPRET ?= $(if $(wildcard /dev/nvidia0),0,1)
 
 .PHONY: setup test grade lab bench serve check lint format
 
@@ -31,10 +29,11 @@ grade: setup
 lab: setup
 	LABS_IMPL=$${LABS_IMPL:-student} .venv/bin/jupyter lab --notebook-dir=$(CURDIR)
 
-## make bench STAGE=02: one stage's benchmark (reference solution unless IMPL=student)
+## make bench STAGE=02 [QUICK=1] [MODEL=dir DRAFT=dir]: one stage's benchmark (reference solution unless
+## IMPL=student) on the tiny pair or your HF-format Llama folders; QUICK=1 saves to bench_results/*_quick.*
 bench: setup
 	@test -n "$(STAGE)" || { echo "usage: make bench STAGE=02"; exit 2; }
-	LABS_IMPL=$(IMPL) $(PY) -m labkit.bench $(STAGE)
+	LABS_IMPL=$(IMPL) $(PY) -m labkit.bench $(STAGE) $(if $(QUICK),--quick)
 
 ## make serve [IMPL=student]: stage 04's OpenAI-compatible server on the tiny target, 127.0.0.1:8000
 serve: setup

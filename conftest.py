@@ -21,9 +21,9 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
+    from labkit.device import has_gpu
 
-    if torch.cuda.is_available():
+    if has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

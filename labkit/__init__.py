@@ -25,4 +25,6 @@ def triton_interpret() -> str:
     """TRITON_INTERPRET for child processes: as set, else the CPU interpreter unless a GPU is present."""
     import os
 
-    return os.environ.get("TRITON_INTERPRET", "0" if Path("/dev/nvidia0").exists() else "1")
+    from .device import has_gpu
+
+    return os.environ.get("TRITON_INTERPRET", "0" if has_gpu() else "1")

@@ -1,6 +1,13 @@
-"""Timing and memory done the same way everywhere: warm-up, repeats, median, one run.
+"""The benchmark harness: models, timing, results, done the same way for every stage.
 
-    python -m labkit.bench 02        # run stage 02's benchmark (labkit/benchmarks/stage02.py)
+    make bench STAGE=02                          # python -m labkit.bench 02 (labkit/benchmarks/stage02.py)
+    make bench STAGE=06 MODEL=path DRAFT=path    # your own HF-format Llama folders instead of the tiny pair
+    make bench STAGE=02 QUICK=1                  # fewer sizes and repeats (--quick); saved as stage02_quick.*
+
+A benchmark is `labkit/benchmarks/stageNN.py` (or `stageNNb.py` for a stage's part 2) with
+`main(quick: bool) -> bench.Result`: it loads its models with `model()`, times with `measure`,
+`compare` or `interleaved`, prints its tables and returns what it measured; this module saves the
+Result as bench_results/stageNN.json (+ .png). A main that returns anything else saved its own files.
 
 A speed claim in this course is a ratio of two variants measured in the same process, one after
 the other, as medians of repeats; never a single timing, never a timed unit test.
@@ -10,11 +17,17 @@ import argparse
 import contextlib
 import gc
 import importlib
+import json
+import os
 import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import DRAFT, ROOT, TARGET, plot
+from .plot import RESULTS
 
 
 @dataclass
@@ -23,6 +36,7 @@ class Timing:
     min: float
     max: float
     repeats: int
+    last: object = field(default=None, repr=False)  # what the last timed call returned
 
     def __str__(self) -> str:
         return f"{self.median * 1e3:.2f} ms (min {self.min * 1e3:.2f}, max {self.max * 1e3:.2f}, n={self.repeats})"
@@ -42,42 +56,109 @@ def gc_paused():
             gc.enable()
 
 
-def _timing(times: list[float]) -> Timing:
-    return Timing(statistics.median(times), min(times), max(times), len(times))
-
-
-def measure(fn, repeats: int = 5, warmup: int = 1) -> Timing:
-    """Call fn() `warmup` times untimed, then `repeats` times; seconds per call."""
+def interleaved(fns: dict, repeats: int = 5, warmup: int = 1, before=None) -> dict[str, Timing]:
+    """Time several variants in one run, each called in turn so load drift hits all alike: every
+    fn `warmup` times untimed, then `repeats` rounds. before(), if given, runs untimed before every
+    call (a barrier, say). Returns {name: Timing} in seconds per call."""
     for _ in range(warmup):
-        fn()
-    times = []
-    with gc_paused():
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+        for fn in fns.values():
+            if before:
+                before()
             fn()
-            times.append(time.perf_counter() - t0)
-    return _timing(times)
-
-
-def compare(baseline, candidate, repeats: int = 5, warmup: int = 1) -> tuple[Timing, Timing, float]:
-    """Time two variants in one run, interleaved so drift hits both; returns (base, cand, speedup)."""
-    for _ in range(warmup):
-        baseline()
-        candidate()
-    tb, tc = [], []
+    times = {name: [] for name in fns}
+    last = {}
     with gc_paused():
         for _ in range(repeats):
-            for fn, out in ((baseline, tb), (candidate, tc)):
+            for name, fn in fns.items():
+                if before:
+                    before()
                 t0 = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t0)
-    b, c = _timing(tb), _timing(tc)
-    return b, c, b.median / c.median
+                last[name] = fn()
+                times[name].append(time.perf_counter() - t0)
+    return {n: Timing(statistics.median(t), min(t), max(t), len(t), last[n]) for n, t in times.items()}
+
+
+def measure(fn, repeats: int = 5, warmup: int = 1, before=None) -> Timing:
+    """Call fn() `warmup` times untimed, then `repeats` times; seconds per call."""
+    return interleaved({"fn": fn}, repeats, warmup, before)["fn"]
+
+
+def compare(baseline, candidate, repeats: int = 5, warmup: int = 1, before=None) -> tuple[Timing, Timing, float]:
+    """Time two variants in one run, interleaved; returns (base, cand, speedup of cand over base)."""
+    t = interleaved({"base": baseline, "cand": candidate}, repeats, warmup, before)
+    return t["base"], t["cand"], t["base"].median / t["cand"].median
+
+
+def decode_step(model, context: int = 64, tokens: int = 1):
+    """A closure running one cached forward of `tokens` new tokens (batch 1) after `context`
+    cached ones. The cache is rewound after each call, so every call does the same work; time it
+    with measure() or compare()."""
+    import torch
+
+    cache = model.new_cache(1, context + tokens)
+    ids = torch.ones(1, tokens, dtype=torch.long)
+    with torch.no_grad():
+        model(torch.ones(1, context, dtype=torch.long), cache)
+
+    def step():
+        with torch.no_grad():
+            model(ids, cache)
+        cache.truncate(context)
+
+    return step
+
+
+def model_folder(role: str = "MODEL") -> Path:
+    """The HF-format folder to benchmark: $MODEL (or $DRAFT for role="DRAFT"), else the tiny pair."""
+    default = {"MODEL": TARGET, "DRAFT": DRAFT}[role]
+    folder = Path(os.environ.get(role) or default)
+    if not (folder / "config.json").is_file():
+        raise SystemExit(f"{role}={folder} is not a model folder (no config.json); pass an HF-format Llama folder.")
+    return folder
+
+
+def model(role: str = "MODEL"):
+    """(labkit Llama in float32 and eval mode, a label for tables) for $MODEL or $DRAFT."""
+    from .model import load
+
+    folder = model_folder(role)
+    llama = load(folder)
+    return llama, f"{folder.name} ({llama.num_params() / 1e6:.1f}M params)"
+
+
+def tokenizer(role: str = "MODEL"):
+    """The tokenizer of $MODEL's (or $DRAFT's) folder."""
+    from .evaluate import load_tokenizer
+
+    return load_tokenizer(model_folder(role))
+
+
+@dataclass
+class Result:
+    """What a benchmark's main returns: its table rows, any other figures worth keeping (JSON
+    values), and its plot. The harness adds the machine, the implementation and quick."""
+
+    rows: list[dict]
+    figures: dict = field(default_factory=dict)
+    plot: object = None  # a matplotlib Figure (labkit.plot.setup() style)
+
+
+def save(result: Result, name: str) -> list[Path]:
+    """Write bench_results/<name>.json (and .png); quick runs pass name + '_quick'."""
+    from .impl import current
+
+    RESULTS.mkdir(exist_ok=True)
+    data = {"machine": machine(), "impl": current(), **result.figures, "rows": result.rows}
+    paths = [RESULTS / f"{name}.json"]
+    paths[0].write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    return paths + ([plot.save(result.plot, name)] if result.plot is not None else [])
 
 
 def machine() -> str:
     """One line naming the machine, for benchmark tables and the README."""
     import torch
+
+    from .device import has_gpu
 
     cpu = platform.processor() or platform.machine()
     try:
@@ -87,7 +168,7 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    gpu = torch.cuda.get_device_name() if has_gpu() else "no GPU"
     return f"{cpu}, {torch.get_num_threads()} torch threads, {gpu}, torch {torch.__version__}"
 
 
@@ -104,19 +185,25 @@ def table(rows: list[dict], title: str = "") -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Run one stage's benchmark.")
-    ap.add_argument("stage", help="stage number, e.g. 02")
-    ap.add_argument("--quick", action="store_true", help="fewer repeats and sizes (for CI smoke runs)")
+    ap.add_argument("stage", help="stage number, e.g. 02, or 02b for a stage's part 2")
+    ap.add_argument("--quick", action="store_true", help="fewer repeats and sizes; saved with a _quick suffix")
     args = ap.parse_args(argv)
-    name = f"labkit.benchmarks.stage{int(args.stage):02d}"
+    name = f"stage{args.stage.zfill(2)}"
     try:
-        module = importlib.import_module(name)
+        module = importlib.import_module(f"labkit.benchmarks.{name}")
     except ModuleNotFoundError:
-        print(f"No benchmark for stage {args.stage}: {name} does not exist.", file=sys.stderr)
+        print(f"No benchmark for stage {args.stage}: labkit/benchmarks/{name}.py does not exist.", file=sys.stderr)
         return 2
-    module.main(quick=args.quick)
-    print(f"machine: {machine()}")  # after the run: benchmarks pick their own thread count
+    t0 = time.perf_counter()
+    result = module.main(quick=args.quick)
+    if isinstance(result, Result):
+        for path in save(result, name + ("_quick" if args.quick else "")):
+            print(f"saved {path.relative_to(ROOT)}")
+    print(f"machine: {machine()}; benchmark took {time.perf_counter() - t0:.0f} s")  # after: it sets threads
     return 0
 
 
 if __name__ == "__main__":
+    from labkit.bench import main  # not this __main__ copy, whose Result class the benchmarks don't return
+
     sys.exit(main())

@@ -30,6 +30,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from .device import has_gpu, pin_threads
+
 HOST = "127.0.0.1"
 _QUEUE = None  # set in each child: where results, errors and progress go
 _RANK = 0
@@ -42,7 +44,7 @@ class RankFailed(RuntimeError):
 def backend() -> str:
     """NCCL when every rank can have its own GPU, gloo (CPU) otherwise."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
+    return "nccl" if has_gpu() and torch.cuda.device_count() >= world else "gloo"
 
 
 def init_from_env(timeout_s: float = 60.0) -> torch.device:
@@ -135,7 +137,7 @@ def _child(rank, world_size, port, target, args, q, threads, timeout):
     global _QUEUE, _RANK
     _QUEUE, _RANK = q, rank
     try:
-        torch.set_num_threads(threads)
+        pin_threads(threads)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=HOST, MASTER_PORT=str(port))
         store = dist.TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=timeout))
         dist.init_process_group(

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from . import corpus
-from .bench import measure
+from .bench import decode_step, measure
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -63,13 +63,9 @@ def greedy_agreement(a, b, windows: torch.Tensor, batch: int = 4) -> float:
     return same / count
 
 
-@torch.no_grad()
 def decode_step_seconds(model, context: int = 128, repeats: int = 30) -> float:
-    """Median time of one cached decode step (batch 1) after a `context`-token prefill."""
-    cache = model.new_cache(1, context + repeats + 10)
-    model(torch.ones(1, context, dtype=torch.long), cache)
-    token = torch.ones(1, 1, dtype=torch.long)
-    return measure(lambda: model(token, cache), repeats=repeats, warmup=5).median
+    """Median seconds of one cached decode step (batch 1) at position `context`."""
+    return measure(decode_step(model, context), repeats=repeats, warmup=5).median
 
 
 def report_pair(target, draft, tokenizer) -> dict:

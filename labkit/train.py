@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import ASSETS, DRAFT, TARGET, corpus, evaluate
+from .device import pin_threads
 from .model import Config, Llama, init_weights, load, save
 
 VOCAB = 2048
@@ -101,7 +102,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, help="torch threads (1 trains faster on a busy machine)")
     args = ap.parse_args(argv)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        pin_threads(args.threads)
     torch.manual_seed(0)
     report_file = ASSETS / "training_report.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else {}

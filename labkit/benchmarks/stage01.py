@@ -1,22 +1,20 @@
 """Stage 01: how fast is a forward pass in plain NumPy next to PyTorch, on the same weights?
 
 Prefill of 128 tokens (one sequence, float32), NumPy vs Hugging Face transformers, with PyTorch
-given as many threads as NumPy's BLAS uses. Two models: the tiny target (as a Llama; a random-init
-model of the same shape if the trained one is not there yet) and a random-init model shaped like
-GPT-2 small (124M). Both variants run interleaved in one process; the ratio is what we quote.
-The thread count is NumPy's BLAS default (every core) unless OPENBLAS_NUM_THREADS sets it, e.g.
-`OPENBLAS_NUM_THREADS=1 make bench STAGE=01` on a machine shared with other jobs.
+given as many threads as NumPy's BLAS uses. Two models: the tiny target ($MODEL if set) as a
+Llama, and a random-init model shaped like GPT-2 small (124M). Both variants run interleaved in
+one process; the ratio is what we quote. The thread count is NumPy's BLAS default (every core)
+unless OPENBLAS_NUM_THREADS sets it, e.g. `OPENBLAS_NUM_THREADS=1 make bench STAGE=01` on a
+machine shared with other jobs.
 """
 
-import json
 import os
-import tempfile
 
 import numpy as np
 import torch
 
-import labkit
 from labkit import bench, plot
+from labkit.device import pin_threads
 from labkit.impl import load
 
 PREFILL = 128
@@ -30,18 +28,14 @@ def blas_threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def tiny_target_pair(tmp: str):
-    """(label, HF model, NumPy params, numpy forward) for the tiny target, loaded from its folder."""
+def llama_pair():
+    """(label, HF model, NumPy params, numpy forward) for $MODEL's folder, the tiny target by default."""
     from transformers import AutoModelForCausalLM
 
-    from labkit.model import Config, Llama, init_weights, save
-
-    folder, label = labkit.TARGET, "tiny target (Llama, 6.6M)"
-    if not folder.is_dir():
-        folder, label = f"{tmp}/tiny-target-shape", "tiny-target-shaped Llama (random init)"
-        save(init_weights(Llama(Config())), folder, dtype=torch.float32)
+    folder = bench.model_folder()
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     llama = load("stage01_forward_numpy.llama_numpy")
+    label = f"{folder.name} (Llama, {hf.num_parameters() / 1e6:.1f}M)"
     return label, hf, llama.load_llama_params(folder), llama.llama_forward
 
 
@@ -56,45 +50,36 @@ def gpt2_small_pair():
     return "GPT-2-small-shaped (random init, 124M)", hf, params, gpt2.gpt2_forward
 
 
-def main(quick: bool = False) -> dict:
+def main(quick: bool = False) -> bench.Result:
     threads = blas_threads()
-    torch.set_num_threads(threads)
+    pin_threads(threads)
     repeats = 3 if quick else 7
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        builders = [lambda: tiny_target_pair(tmp)] + ([] if quick else [gpt2_small_pair])
-        for build in builders:  # one model in memory at a time
-            label, hf, params, forward = build()
-            ids = np.random.default_rng(0).integers(0, hf.config.vocab_size, size=PREFILL)
-            ids_t = torch.from_numpy(ids)[None]
+    for build in [llama_pair] + ([] if quick else [gpt2_small_pair]):  # one model in memory at a time
+        label, hf, params, forward = build()
+        ids = np.random.default_rng(0).integers(0, hf.config.vocab_size, size=PREFILL)
+        ids_t = torch.from_numpy(ids)[None]
 
-            @torch.no_grad()
-            def torch_prefill(hf=hf, ids_t=ids_t):
-                return hf(ids_t).logits
+        @torch.no_grad()
+        def torch_prefill(hf=hf, ids_t=ids_t):
+            return hf(ids_t).logits
 
-            def numpy_prefill(forward=forward, params=params, ids=ids):
-                return forward(params, ids)
+        def numpy_prefill(forward=forward, params=params, ids=ids):
+            return forward(params, ids)
 
-            delta = float(np.abs(numpy_prefill() - torch_prefill()[0].numpy()).max())
-            t_torch, t_numpy, ratio = bench.compare(torch_prefill, numpy_prefill, repeats=repeats)
-            rows.append(
-                {
-                    "model": label,
-                    "torch tok/s": PREFILL / t_torch.median,
-                    "numpy tok/s": PREFILL / t_numpy.median,
-                    "numpy/torch": ratio,
-                    "max |dlogits|": delta,
-                }
-            )
-
-    print(
-        bench.table(
-            rows, title=f"Prefill of {PREFILL} tokens, float32, threads={threads} for NumPy's BLAS and for torch"
+        delta = float(np.abs(numpy_prefill() - torch_prefill()[0].numpy()).max())
+        t_torch, t_numpy, ratio = bench.compare(torch_prefill, numpy_prefill, repeats=repeats)
+        rows.append(
+            {
+                "model": label,
+                "torch tok/s": PREFILL / t_torch.median,
+                "numpy tok/s": PREFILL / t_numpy.median,
+                "numpy/torch": ratio,
+                "max |dlogits|": delta,
+            }
         )
-    )
-    result = {"machine": bench.machine(), "threads": threads, "prefill_tokens": PREFILL, "rows": rows}
-    plot.RESULTS.mkdir(exist_ok=True)
-    (plot.RESULTS / "stage01.json").write_text(json.dumps(result, indent=2) + "\n")
+    title = f"Prefill of {PREFILL} tokens, float32, threads={threads} for NumPy's BLAS and for torch"
+    print(bench.table(rows, title=title))
 
     plt = plot.setup()
     fig, ax = plt.subplots()
@@ -108,9 +93,4 @@ def main(quick: bool = False) -> dict:
     ax.set_ylabel("prefill tokens / s (log scale)")
     ax.set_title(f"Prefill of {PREFILL} tokens, float32, threads={threads} for each")
     ax.legend()
-    print(f"saved {plot.save(fig, 'stage01')}")
-    return result
-
-
-if __name__ == "__main__":
-    main()
+    return bench.Result(rows, {"threads": threads, "prefill_tokens": PREFILL}, fig)

@@ -8,31 +8,16 @@ two are timed interleaved in one run (median of repeats). Without a cache each s
 forward pass over ~N tokens; with it, one prefill plus one-token steps.
 """
 
-import json
-
-import torch
-
-from labkit import ROOT, TARGET, bench, plot
+from labkit import bench, plot
+from labkit.evaluate import heldout
 from labkit.impl import current, load
-from labkit.model import Config, Llama, init_weights
-from labkit.model import load as load_model
 
 
-def target_and_text(n_tokens: int) -> tuple[Llama, list[int], str]:
-    """The trained tiny target and held-out text, or a random-init model of the same shape."""
-    if (TARGET / "config.json").is_file():
-        from labkit.evaluate import heldout, load_tokenizer
-
-        ids = heldout(load_tokenizer(TARGET), n_tokens=n_tokens, seq=n_tokens)[0].tolist()
-        return load_model(TARGET), ids, "tiny target (trained)"
-    ids = torch.randint(3, Config.vocab_size, (n_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
-    return init_weights(Llama(Config())).eval(), ids, "random-init model of the tiny target's shape"
-
-
-def main(quick: bool = False) -> list[dict]:
+def main(quick: bool = False) -> bench.Result:
     gen = load("stage02_kv_cache.generate")
     lengths, new_tokens, repeats = ((128, 256), 8, 1) if quick else ((256, 512, 1024), 32, 3)
-    model, text, which = target_and_text(max(lengths))
+    model, which = bench.model()
+    text = heldout(bench.tokenizer(), n_tokens=max(lengths), seq=max(lengths))[0].tolist()
     rows = []
     for n in lengths:
         prompt = text[: n - new_tokens]
@@ -55,10 +40,6 @@ def main(quick: bool = False) -> list[dict]:
             }
         )
     print(bench.table(rows, title=f"stage 02: KV cache vs no cache, {which}, impl={current()}, median of {repeats}"))
-    result = {"model": which, "impl": current(), "machine": bench.machine(), "repeats": repeats, "rows": rows}
-    name = "stage02_quick" if quick else "stage02"
-    (ROOT / "bench_results").mkdir(exist_ok=True)
-    (ROOT / "bench_results" / f"{name}.json").write_text(json.dumps(result, indent=2))
 
     plt = plot.setup()
     fig, ax = plt.subplots()
@@ -74,9 +55,4 @@ def main(quick: bool = False) -> list[dict]:
         )
     ax.set(xlabel="context length (tokens)", ylabel="ms per generated token", yscale="log", title=f"Stage 02: {which}")
     ax.legend()
-    print(f"wrote {plot.save(fig, name)}")
-    return rows
-
-
-if __name__ == "__main__":
-    main()
+    return bench.Result(rows, {"model": which, "repeats": repeats}, fig)

@@ -1,4 +1,4 @@
-"""Stage 03: quantization on the tiny target — quality vs memory vs decode speed, and the deploy gate.
+"""Stage 03: quantization on the tiny target ($MODEL if set) — quality vs memory vs decode speed, and the deploy gate.
 
 One row per format/method: weight bytes, held-out perplexity (Δ% vs fp32), KL(fp32 || quantized)
 and top-1 agreement with fp32 on the same windows, decode tokens/s (batch 1, its ratio to fp32
@@ -10,46 +10,30 @@ guide comes from fused GPU kernels that read 4-bit weights from HBM and never ma
 """
 
 import copy
-import json
 
 import torch
 
-import labkit
-from labkit.bench import compare, machine, table
+from labkit import bench
+from labkit.bench import compare, decode_step, table
 from labkit.calibration import calibration_windows
-from labkit.evaluate import heldout, load_tokenizer
+from labkit.device import pin_threads
+from labkit.evaluate import heldout
 from labkit.impl import load
-from labkit.model import load as load_model
-from labkit.plot import RESULTS, save, setup
+from labkit.plot import setup
 
 GATE = dict(max_ppl_increase_pct=1.0, max_top1_disagreement=0.02)
 
 
-def _decode_step(model, context: int = 64):
-    """A closure running one cached decode step at a fixed position (the cache is rewound each time)."""
-    cache = model.new_cache(1, context + 1)
-    with torch.no_grad():
-        model(torch.ones(1, context, dtype=torch.long), cache)
-    token = torch.ones(1, 1, dtype=torch.long)
-
-    def step():
-        with torch.no_grad():
-            model(token, cache)
-        cache.truncate(context)
-
-    return step
-
-
-def main(quick: bool = False) -> None:
-    torch.set_num_threads(1)  # small matrices: a second thread only adds OpenMP stalls on a shared CPU
+def main(quick: bool = False) -> bench.Result:
+    pin_threads(1)  # small matrices: a second thread only adds OpenMP stalls on a shared CPU
     ql = load("stage03_quantization.quant_linear")
     gptq = load("stage03_quantization.gptq")
     awq = load("stage03_quantization.awq")
     sq = load("stage03_quantization.smoothquant")
     ev = load("stage03_quantization.evaluate")
 
-    tokenizer = load_tokenizer(labkit.TARGET)
-    fp32 = load_model(labkit.TARGET)
+    tokenizer = bench.tokenizer()
+    fp32, which = bench.model()
     windows = heldout(tokenizer, n_tokens=2048 if quick else 4096, seq=512)
     calib = calibration_windows(tokenizer, n_windows=2 if quick else 8, seq=128 if quick else 256)
     repeats = 5 if quick else 10
@@ -71,12 +55,12 @@ def main(quick: bool = False) -> None:
         variants[f"AWQ INT{bits} g128"] = lambda b=bits: awq.awq_quantize_model(copy.deepcopy(fp32), calib, b, 128)
 
     base = ev.evaluate(fp32, windows, decode_repeats=0)
-    base_step = _decode_step(fp32)
+    base_step = decode_step(fp32)
     rows = []
     for name, make in variants.items():
         model = make()
         report = ev.evaluate(model, windows, reference=fp32, decode_repeats=0)
-        t_base, t_cand, speedup = compare(base_step, _decode_step(model), repeats=repeats, warmup=2)
+        t_base, t_cand, speedup = compare(base_step, decode_step(model), repeats=repeats, warmup=2)
         verdict = ev.quality_gate(base, report, **GATE)
         rows.append(
             {
@@ -94,7 +78,7 @@ def main(quick: bool = False) -> None:
         )
         print(f"  {name}: done ({'; '.join(verdict.reasons)})", flush=True)
 
-    print(table(rows, title=f"Stage 03 on the tiny target ({len(windows)} held-out windows of 512 tokens)"))
+    print(table(rows, title=f"Stage 03 on {which} ({len(windows)} held-out windows of 512 tokens)"))
     print(
         f"Quality gate: perplexity ≤ +{GATE['max_ppl_increase_pct']} % and top-1 disagreement ≤ "
         f"{GATE['max_top1_disagreement']:.0%} vs fp32. Top-1 flips on near-ties count as much as real errors "
@@ -104,11 +88,8 @@ def main(quick: bool = False) -> None:
         "GPU kernels that stream the small weights from HBM."
     )
 
-    RESULTS.mkdir(exist_ok=True)
-    out = {"machine": machine(), "windows": len(windows), "calibration_tokens": calib.numel(), "gate": GATE}
-    (RESULTS / "stage03.json").write_text(json.dumps(out | {"rows": rows}, indent=2, ensure_ascii=False))
-
-    print(f"saved {_plot(rows)} and {RESULTS / 'stage03.json'}")
+    figures = {"model": which, "windows": len(windows), "calibration_tokens": calib.numel(), "gate": GATE}
+    return bench.Result(rows, figures, _plot(rows))
 
 
 def _plot(rows: list[dict]):
@@ -125,4 +106,4 @@ def _plot(rows: list[dict]):
     ax.set(xlabel="weight MB (embedding stays fp32)", ylabel="KL(fp32 || quantized), nats/token", yscale="log")
     ax.set_title("Tiny target: quality vs memory (INT2, INT3, INT4 from left to right; KL 0 drawn at 1e-7)")
     ax.legend()
-    return save(fig, "stage03")
+    return fig

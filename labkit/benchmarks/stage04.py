@@ -9,49 +9,36 @@ depend on c and runs once. Then TTFT with a shared 512-token system prompt, pref
 """
 
 import asyncio
-import json
 import random
 import statistics
-import time
 
 import torch
 
-from labkit import TARGET, bench, plot
+from labkit import bench, plot
+from labkit.device import pin_threads
 from labkit.impl import load
-from labkit.model import Config, Llama, init_weights
-from labkit.model import load as load_model
-from labkit.plot import RESULTS
 from labkit.testing import hf_from_labkit
 
 
-def _model() -> tuple[Llama, str]:
-    if TARGET.is_dir():
-        return load_model(TARGET), "tiny target"
-    return init_weights(Llama(Config())), "random-init model of the tiny target's shape (target not trained yet)"
-
-
-def workload(seed: int, n: int, vocab: int, out_range: tuple[int, int]) -> tuple[list[list[int]], list[int]]:
+def offline_requests(seed: int, n: int, vocab: int, out_range: tuple[int, int]) -> tuple[list[list[int]], list[int]]:
     rng = random.Random(seed)
     prompts = [[1] + [rng.randrange(3, vocab) for _ in range(rng.randint(16, 128))] for _ in range(n)]
     return prompts, [rng.randint(*out_range) for _ in range(n)]
 
 
-def _summary(name, c, results, n_tokens, seconds):
-    ttft = [r.first_token_time - r.arrival_time for r in results] if results else []
-    tpot = [(r.finish_time - r.first_token_time) / max(len(r.token_ids) - 1, 1) for r in results] if results else []
+def _served(name, c, fn, n_tokens) -> dict:
+    """Serve the whole workload once with fn() (timed by bench.measure) and summarize it."""
+    t = bench.measure(fn, repeats=1, warmup=0)  # one pass is long; main warms the engine up once
+    results = t.last or []
+    ttft = [r.first_token_time - r.arrival_time for r in results]
+    tpot = [(r.finish_time - r.first_token_time) / max(len(r.token_ids) - 1, 1) for r in results]
     return {
         "variant": name,
         "concurrency": c,
-        "tokens_per_s": n_tokens / seconds,
+        "tokens_per_s": n_tokens / t.median,
         "ttft_p50_ms": statistics.median(ttft) * 1e3 if ttft else float("nan"),
         "tpot_p50_ms": statistics.median(tpot) * 1e3 if tpot else float("nan"),
     }
-
-
-def _timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - t0
 
 
 @torch.no_grad()
@@ -66,34 +53,32 @@ def hf_padded(hf, prompts: list[list[int]], max_tokens: list[int], batch_size: i
         hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
 
-def main(quick: bool = False) -> dict:
-    torch.set_num_threads(1)  # the tiny model's matrices are too small for threads to pay off
+def main(quick: bool = False) -> bench.Result:
+    pin_threads(1)  # the tiny model's matrices are too small for threads to pay off
     engine_mod = load("stage04_batching.engine")
     sequence = load("stage04_batching.sequence")
     baselines = load("stage04_batching.baselines")
-    model, which = _model()
+    model, which = bench.model()
     hf = hf_from_labkit(model)
     V = model.config.vocab_size
     n = 16 if quick else 32
     concurrency = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
-    prompts, max_tokens = workload(0, n, V, (8, 32) if quick else (16, 96))
+    prompts, max_tokens = offline_requests(0, n, V, (8, 32) if quick else (16, 96))
     total = sum(max_tokens)
     params = [sequence.SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     engine_mod.LLMEngine(model, num_blocks=64).generate(prompts[:2], params[:2])  # warm-up
 
     rows = []
-    res, sec = _timed(lambda: baselines.sequential(model, prompts, max_tokens))
-    seq_row = _summary("sequential", 1, res, total, sec)
+    seq_row = _served("sequential", 1, lambda: baselines.sequential(model, prompts, max_tokens), total)
     for c in concurrency:
         rows.append({**seq_row, "concurrency": c})
         engine = engine_mod.LLMEngine(model, num_blocks=1024, max_num_seqs=c, max_num_batched_tokens=512)
-        outs, sec = _timed(lambda engine=engine: engine.generate(prompts, params))
-        rows.append(_summary("continuous batching", c, outs, total, sec))
-        res, sec = _timed(lambda c=c: baselines.static_batching(model, prompts, max_tokens, c))
-        rows.append(_summary("static batching", c, res, total, sec))
-        _, sec = _timed(lambda c=c: hf_padded(hf, prompts, max_tokens, c))
-        rows.append(_summary("HF generate (padded)", c, [], total, sec))
-    print(bench.table(rows, f"Throughput on the {which}: {n} requests, {total} output tokens"))
+        rows.append(_served("continuous batching", c, lambda e=engine: e.generate(prompts, params), total))
+        rows.append(
+            _served("static batching", c, lambda c=c: baselines.static_batching(model, prompts, max_tokens, c), total)
+        )
+        rows.append(_served("HF generate (padded)", c, lambda c=c: hf_padded(hf, prompts, max_tokens, c), total))
+    print(bench.table(rows, f"Throughput on {which}: {n} requests, {total} output tokens"))
 
     def at(variant, c):
         return next(r["tokens_per_s"] for r in rows if r["variant"] == variant and r["concurrency"] == c)
@@ -120,14 +105,7 @@ def main(quick: bool = False) -> dict:
     ax.set(xscale="log", xlabel="concurrency (requests in flight)", ylabel="output tokens / s", title=which)
     ax.set_xticks(concurrency, [str(c) for c in concurrency])
     ax.legend()
-    png = plot.save(fig, "stage04_throughput")
-    result = {"machine": bench.machine(), "model": which, "quick": quick, "rows": rows, "ratios": ratios}
-    result["prefix_cache"] = prefix
-    result["server"] = served
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "stage04.json").write_text(json.dumps(result, indent=2))
-    print(f"wrote {RESULTS / 'stage04.json'} and {png}")
-    return result
+    return bench.Result(rows, {"model": which, "ratios": ratios, "prefix_cache": prefix, "server": served}, fig)
 
 
 def prefix_cache_ttft(engine_mod, sequence, model, vocab: int, n: int) -> list[dict]:
@@ -156,11 +134,10 @@ def prefix_cache_ttft(engine_mod, sequence, model, vocab: int, n: int) -> list[d
 def server_vs_naive(engine_mod, sequence, model, concurrency: list[int], n: int) -> dict:
     """The continuous-batching server vs the same server limited to one request at a time
     (max_num_seqs=1), driven by labkit.loadtest; plus the server's overhead over the offline engine."""
-    from labkit.evaluate import load_tokenizer
     from labkit.loadtest import run, serving, workload
 
     server = load("stage04_batching.api_server")
-    tok = load_tokenizer(TARGET)
+    tok = bench.tokenizer()
     bodies = workload(0, n, (16, 64))
     rows = []
     for name, seqs in (("naive (one at a time)", 1), ("continuous batching", 32)):
@@ -176,8 +153,8 @@ def server_vs_naive(engine_mod, sequence, model, concurrency: list[int], n: int)
                 )
     engine = engine_mod.LLMEngine(model, tok, num_blocks=1024, max_num_seqs=16)
     params = [sequence.SamplingParams(max_tokens=b["max_tokens"], ignore_eos=True) for b in bodies]
-    outs, sec = _timed(lambda: engine.generate([b["prompt"] for b in bodies], params))
-    offline = sum(len(o.token_ids) for o in outs) / sec
+    t = bench.measure(lambda: engine.generate([b["prompt"] for b in bodies], params), repeats=1, warmup=0)
+    offline = sum(len(o.token_ids) for o in t.last) / t.median
 
     def at(name):
         return next(r["tokens_per_s"] for r in rows if r["server"] == name and r["concurrency"] == 16)

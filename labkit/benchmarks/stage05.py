@@ -4,13 +4,11 @@ grows like T); on a CUDA GPU, the TFLOP/s of the learner's Triton kernel vs SDPA
     make bench STAGE=05          (LABS_IMPL=solution; add IMPL=student for your own code)
 """
 
-import json
-import os
-
 import torch
 import torch.nn.functional as F
 
-from labkit import bench, plot
+from labkit import bench, plot, triton_interpret
+from labkit.device import has_gpu, pin_threads
 from labkit.impl import load
 from labkit.tensor_memory import TensorWatch
 
@@ -20,10 +18,8 @@ MIB = 2**20
 def cpu_memory(lengths: list[int], head_dim: int = 64, block: int = 256) -> list[dict]:
     """Peak bytes of tensors created by one attention call, B = H = 1, float32, non-causal."""
     attn = load("stage05_flashattention.tiled_attention")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # bytes, not seconds: one thread avoids OpenMP stalls on a busy machine
     rows = []
-    try:
+    with pin_threads(1):  # bytes, not seconds: one thread avoids OpenMP stalls on a busy machine
         for T in lengths:
             g = torch.Generator().manual_seed(T)
             q, k, v = (torch.randn(1, 1, T, head_dim, generator=g) for _ in range(3))
@@ -40,8 +36,6 @@ def cpu_memory(lengths: list[int], head_dim: int = 64, block: int = 256) -> list
                     "T×T fp32 MiB": T * T * 4 / MIB,
                 }
             )
-    finally:
-        torch.set_num_threads(threads)
     return rows
 
 
@@ -75,21 +69,19 @@ def _synced(fn):
     return run
 
 
-def main(quick: bool = False) -> None:
+def main(quick: bool = False) -> bench.Result:
     lengths = [1024, 2048] if quick else [1024, 2048, 4096, 8192]
     cpu = cpu_memory(lengths)
     print(bench.table(cpu, "CPU: peak memory of one attention call (B=H=1, D=64, float32, tiles 256×256)"))
-    result = {"machine": bench.machine(), "cpu_peak_memory": cpu, "gpu_tflops": None}
-
-    if not torch.cuda.is_available():
+    gpu = None
+    if not has_gpu():
         print("\nGPU TFLOP/s: skipped, no CUDA device on this machine (the kernels ran nowhere but the CPU).")
-    elif os.environ.get("TRITON_INTERPRET") == "1":
+    elif triton_interpret() == "1":
         print("\nGPU TFLOP/s: skipped, TRITON_INTERPRET=1 would time the interpreter; rerun with TRITON_INTERPRET=0.")
     else:
         gpu = gpu_tflops([1024, 2048] if quick else [1024, 2048, 4096, 8192, 16384], repeats=3 if quick else 10)
         print()
         print(bench.table(gpu, f"GPU: forward TFLOP/s, B=4 H=32 D=64 fp16 ({torch.cuda.get_device_name()})"))
-        result["gpu_tflops"] = gpu
 
     plt = plot.setup()
     fig, ax = plt.subplots()
@@ -102,6 +94,4 @@ def main(quick: bool = False) -> None:
     ax.set_ylabel("peak MiB of tensors created")
     ax.set_title("Attention memory on the CPU: naive O(T²) vs tiled O(T)")
     ax.legend()
-    print(f"\nplot: {plot.save(fig, 'stage05')}")
-    plot.RESULTS.mkdir(exist_ok=True)
-    (plot.RESULTS / "stage05.json").write_text(json.dumps(result, indent=2))
+    return bench.Result(cpu, {"gpu_tflops": gpu}, fig)

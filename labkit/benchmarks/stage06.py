@@ -1,6 +1,7 @@
 """Stage 06 benchmark: greedy speculative decoding on the tiny pair against plain target decoding.
 
-    make bench STAGE=06          (LABS_IMPL=solution; IMPL=student times your own code)
+    make bench STAGE=06                      (LABS_IMPL=solution; IMPL=student times your own code)
+    make bench STAGE=06 MODEL=dir DRAFT=dir  (your own target/draft pair, sharing a tokenizer)
 
 Batch 1, greedy, held-out story prompts. For each k: acceptance rate, the per-token acceptance
 alpha, tokens per target forward, and the wall-clock speedup over the target's own cached greedy
@@ -13,38 +14,25 @@ step) and v(k) (one target forward over k + 1 tokens / one target step; the pape
 holds on a memory-bound GPU but not for a CPU).
 """
 
-import json
-import statistics
-import time
-
 import torch
 
-from labkit import DRAFT, ROOT, TARGET, bench, plot
+from labkit import bench, plot
+from labkit.device import pin_threads
+from labkit.evaluate import heldout
 from labkit.impl import current, load
-from labkit.model import Llama
-from labkit.model import load as load_model
+from labkit.testing import hf_from_labkit
 
 
-def step_costs(target: Llama, draft: Llama, ks: list[int], context: int = 96, repeats: int = 30) -> dict:
-    """Median seconds of one cached forward: the target over 1 and over k + 1 new tokens, the draft
-    over 1, after `context` cached tokens. Timed interleaved, so load drift hits all alike."""
-    variants = {"draft": (draft, 1), **{f"target{n}": (target, n) for n in sorted({1, *(k + 1 for k in ks)})}}
-    times = {name: [] for name in variants}
-    caches = {}
-    for name, (model, n) in variants.items():
-        caches[name] = model.new_cache(1, context + n)
-        model(torch.ones(1, context, dtype=torch.long), caches[name])
-    for i in range(repeats + 3):
-        for name, (model, n) in variants.items():
-            caches[name].truncate(context)
-            start = time.perf_counter()
-            model(torch.ones(1, n, dtype=torch.long), caches[name])
-            if i >= 3:  # warm-up
-                times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+def step_costs(target, draft, ks: list[int], context: int = 96, repeats: int = 30) -> dict[str, float]:
+    """Median seconds of one cached forward after `context` tokens: the draft over 1 new token
+    ("draft"), the target over n = 1 and every k + 1 ("target<n>"), all timed interleaved."""
+    steps = {"draft": bench.decode_step(draft, context)}
+    steps |= {f"target{n}": bench.decode_step(target, context, n) for n in sorted({1, *(k + 1 for k in ks)})}
+    return {name: t.median for name, t in bench.interleaved(steps, repeats, warmup=3).items()}
 
 
 def hf_generate(hf_target, prompt: list[int], n: int, assistant=None, k: int = 0) -> list[int]:
+    """HF greedy generate of exactly n tokens; with an assistant, drafting exactly k per round."""
     extra = {}
     if assistant is not None:
         extra = dict(
@@ -60,25 +48,24 @@ def hf_generate(hf_target, prompt: list[int], n: int, assistant=None, k: int = 0
 
 
 @torch.inference_mode()
-def main(quick: bool = False) -> list[dict]:
-    from labkit.evaluate import heldout, load_tokenizer
-    from labkit.testing import hf_from_labkit
-
-    if not (TARGET / "config.json").is_file() or not (DRAFT / "config.json").is_file():
-        raise SystemExit("stage 06 needs the tiny pair in labkit/assets: run `python -m labkit.train` first.")
+def main(quick: bool = False) -> bench.Result:
     spec = load("stage06_speculative.speculative")
     speedup = load("stage06_speculative.speedup")
     # Batch-1 decoding of a 6.6M-parameter model gains nothing from intra-op threads; on a shared
     # 2-core machine their spin-waiting only adds noise. Both sides run on one thread.
-    torch.set_num_threads(1)
+    pin_threads(1)
     ks, n_prompts, new, repeats = ([2, 4], 1, 48, 1) if quick else ([1, 2, 3, 4, 6, 8], 2, 96, 3)
-    target, draft = load_model(TARGET), load_model(DRAFT)
-    prompts = [w[:64].tolist() for w in heldout(load_tokenizer(TARGET), n_tokens=512 * n_prompts, seq=512)]
+    (target, which), (draft, which_draft) = bench.model(), bench.model("DRAFT")
+    prompts = [w[:64].tolist() for w in heldout(bench.tokenizer(), n_tokens=512 * n_prompts, seq=512)]
     hf_target, hf_draft = hf_from_labkit(target), hf_from_labkit(draft)
     for hf in (hf_target, hf_draft):  # decode a fixed number of tokens, as the labkit side does
         hf.config.eos_token_id = hf.generation_config.eos_token_id = 10**6
-
     reference = [target.generate(p, new, stop_at_eos=False) for p in prompts]
+
+    def check(out: list[int], ref: list[int], who: str, k: int) -> None:
+        if out != ref:
+            raise AssertionError(f"k={k}: {who} output differs from the target's greedy decoding")
+
     costs = step_costs(target, draft, ks)
     t_step = costs["target1"]
     c = costs["draft"] / t_step
@@ -90,77 +77,56 @@ def main(quick: bool = False) -> list[dict]:
             stats.clear()
             for p, ref in zip(prompts, reference, strict=True):
                 out, s = spec.greedy_speculative(target, draft, p, new, k=k)
-                if out != ref:
-                    raise AssertionError(f"k={k}: speculative output differs from the target's greedy decoding")
+                check(out, ref, "speculative", k)
                 stats.append(s)
-
-        def plain():
-            for p in prompts:
-                target.generate(p, new, stop_at_eos=False)
-
-        def hf_plain():
-            for p in prompts:
-                hf_generate(hf_target, p, new)
 
         def hf_assisted(k=k):
             for p, ref in zip(prompts, reference, strict=True):
-                if hf_generate(hf_target, p, new, hf_draft, k) != ref:
-                    raise AssertionError(f"k={k}: HF assisted output differs from the target's greedy decoding")
+                check(hf_generate(hf_target, p, new, hf_draft, k), ref, "HF assisted", k)
 
-        base, cand, ratio = bench.compare(plain, ours, repeats=repeats, warmup=0 if rows else 1)
+        warmup = 0 if rows else 1
+        base, cand, ratio = bench.compare(
+            lambda: [target.generate(p, new, stop_at_eos=False) for p in prompts], ours, repeats, warmup
+        )
         # HF's generate is slower per call; fewer repeats keep the run short (its ratio is context, not the claim)
         hf_base, hf_cand, hf_ratio = bench.compare(
-            hf_plain, hf_assisted, repeats=max(1, repeats - 1), warmup=0 if rows else 1
+            lambda: [hf_generate(hf_target, p, new) for p in prompts], hf_assisted, max(1, repeats - 1), warmup
         )
-        accepted, proposed = sum(s.accepted for s in stats), sum(s.proposed for s in stats)
-        rejected, forwards = sum(s.rejected for s in stats), sum(s.target_forwards for s in stats)
-        alpha = accepted / (accepted + rejected)
-        v = costs[f"target{k + 1}"] / t_step
-        tokens = speedup.expected_tokens_per_step(alpha, k)
-        rows.append(
-            {
-                "k": k,
-                "accept_rate": accepted / proposed,
-                "alpha": alpha,
-                "tok_per_fwd": new * len(prompts) / forwards,
-                "formula_tok": tokens,
-                "verify_cost_v": v,
-                "plain_s": base.median,
-                "spec_s": cand.median,
-                "speedup": ratio,
-                "predicted": tokens / (k * c + v),
-                "paper_pred": speedup.expected_speedup(alpha, k, c),
-                "hf_plain_s": hf_base.median,
-                "hf_assist_s": hf_cand.median,
-                "hf_speedup": hf_ratio,
-            }
-        )
+        rows.append(_row(k, stats, costs, speedup) | {"plain_s": base.median, "spec_s": cand.median, "speedup": ratio,
+                     "hf_plain_s": hf_base.median, "hf_assist_s": hf_cand.median, "hf_speedup": hf_ratio})  # fmt: skip
     best = max(rows, key=lambda r: r["speedup"])
     title = (
-        f"stage 06: greedy speculative decoding, tiny pair (8-layer target, 1-layer draft), {len(prompts)} prompts x "
+        f"stage 06: greedy speculative decoding, target {which}, draft {which_draft}, {len(prompts)} prompts x "
         f"{new} tokens, impl={current()}, median of {repeats}; c = {c:.3f}, target step {t_step * 1e3:.2f} ms"
     )
     print(bench.table(rows, title=title))
-    print(
-        f"best: k={best['k']} {best['speedup']:.2f}x (HF assisted at that k: {best['hf_speedup']:.2f}x), identical output"
-    )
-    result = {
-        "impl": current(),
-        "machine": bench.machine(),
-        "torch_threads": 1,
-        "prompts": len(prompts),
-        "new_tokens": new,
-        "repeats": repeats,
-        "draft_cost_ratio_c": c,
-        "target_step_s": t_step,
-        "best_k": best["k"],
-        "best_speedup": best["speedup"],
-        "rows": rows,
-    }
-    name = "stage06_quick" if quick else "stage06"
-    (ROOT / "bench_results").mkdir(exist_ok=True)
-    (ROOT / "bench_results" / f"{name}.json").write_text(json.dumps(result, indent=2))
+    print(f"best: k={best['k']} {best['speedup']:.2f}x (HF assisted at that k: {best['hf_speedup']:.2f}x), same output")
+    figures = {"target": which, "draft": which_draft, "prompts": len(prompts), "new_tokens": new,
+               "repeats": repeats, "draft_cost_ratio_c": c, "target_step_s": t_step, "best_k": best["k"],
+               "best_speedup": best["speedup"]}  # fmt: skip
+    return bench.Result(rows, figures, _plot(rows, c))
 
+
+def _row(k: int, stats: list, costs: dict[str, float], speedup) -> dict:
+    """Acceptance figures of one k's runs next to Leviathan et al.'s predictions from measured α, c, v(k)."""
+    accepted = sum(s.accepted for s in stats)
+    alpha = accepted / (accepted + sum(s.rejected for s in stats))
+    c, v = costs["draft"] / costs["target1"], costs[f"target{k + 1}"] / costs["target1"]
+    tokens = speedup.expected_tokens_per_step(alpha, k)
+    return {
+        "k": k,
+        "accept_rate": accepted / sum(s.proposed for s in stats),
+        "alpha": alpha,
+        "tok_per_fwd": sum(s.generated for s in stats) / sum(s.target_forwards for s in stats),
+        "formula_tok": tokens,
+        "verify_cost_v": v,
+        "predicted": tokens / (k * c + v),
+        "paper_pred": speedup.expected_speedup(alpha, k, c),
+    }
+
+
+def _plot(rows: list[dict], c: float):
+    """Left: measured and predicted speed-ups per k; right: tokens per target forward and v(k)."""
     plt = plot.setup()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     x = [r["k"] for r in rows]
@@ -176,9 +142,4 @@ def main(quick: bool = False) -> list[dict]:
     ax2.plot(x, [r["verify_cost_v"] for r in rows], "^-", label="v(k): cost of verifying k + 1 tokens")
     ax2.set(xlabel="k", title=f"acceptance α ≈ {sum(r['alpha'] for r in rows) / len(rows):.2f}, c = {c:.2f}")
     ax2.legend()
-    print(f"wrote {plot.save(fig, name)}")
-    return rows
-
-
-if __name__ == "__main__":
-    main()
+    return fig

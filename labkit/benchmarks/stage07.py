@@ -11,37 +11,26 @@ The run below measures both sides on this machine and feeds the measured all-red
 the same cost model, so the prediction and the measurement sit side by side.
 """
 
-import json
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-import labkit
 from labkit import bench, plot
 from labkit.distributed import launch
 from labkit.impl import load
-from labkit.model import Config, Llama, init_weights
-from labkit.model import load as load_model
 
 CONTEXT = 64
-
-
-def _target() -> tuple[Llama, str]:
-    if (labkit.TARGET / "config.json").is_file():
-        return load_model(labkit.TARGET), "tiny target"
-    return init_weights(
-        Llama(Config()), seed=0
-    ).eval(), "random-init model of the target's shape (target not trained yet)"
 
 
 def _decode_worker(steps: int) -> dict:
     """On every rank: median decode-step time and the part spent inside collectives. With two or
     more ranks, rank 0 also times a step of the unsharded model between TP steps (the others
-    wait at a barrier), so TP=1 and TP=2 are measured interleaved, under the same load."""
+    wait at the barrier before the next call), so TP=1 and TP=2 are measured interleaved, under
+    the same load; every call starts together after a barrier, as a GPU stream would."""
     tp = load("stage07_tensor_parallel.tp_model")
-    full, _ = _target()
+    full, _ = bench.model()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tp.TPLlama(full.config).eval()
     model.load_state_dict(tp.shard_state_dict(full.state_dict(), rank, world, full.config))
@@ -58,48 +47,40 @@ def _decode_worker(steps: int) -> dict:
 
         setattr(dist, name, timed)
 
-    token = torch.ones(1, 1, dtype=torch.long)
-    prompt = torch.ones(1, CONTEXT, dtype=torch.long)
-    step_s, comm_s, unsharded_s = [], [], []
-    with torch.no_grad():
-        cache, full_cache = model.new_cache(1, CONTEXT + steps + 1), full.new_cache(1, CONTEXT + steps + 1)
-        model(prompt, cache)
-        full(prompt, full_cache)
-        for _ in range(steps):
-            dist.barrier()  # start every step together, as a GPU stream would
-            in_comm[0] = 0.0
-            t0 = time.perf_counter()
-            model(token, cache)
-            step_s.append(time.perf_counter() - t0)
-            comm_s.append(in_comm[0])
-            dist.barrier()
-            if rank == 0 and world > 1:
-                t0 = time.perf_counter()
-                full(token, full_cache)
-                unsharded_s.append(time.perf_counter() - t0)
-        # alpha: back-to-back all-reduces of one token's hidden state, timed on every rank at once.
-        x, n = torch.zeros(1, 1, full.config.hidden_size), 200
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(n if world > 1 else 0):
-            dist.all_reduce(x)
-        all_reduce_s = (time.perf_counter() - t0) / n
+    tp_step, comm_s = bench.decode_step(model, CONTEXT), []
+
+    def sharded():
+        in_comm[0] = 0.0
+        tp_step()
+        comm_s.append(in_comm[0])
+
+    timed_full = rank == 0 and world > 1
+    unsharded = bench.decode_step(full, CONTEXT) if timed_full else lambda: None
+    t = bench.interleaved({"tp": sharded, "full": unsharded}, steps, warmup=2, before=dist.barrier)
+    # alpha: one token's worth of back-to-back all-reduces of its hidden state, on every rank at
+    # once, per collective (a sum of latencies is predicted by their mean, so no median per call).
+    x, n = torch.zeros(1, 1, full.config.hidden_size), collectives_per_token(full.config)
+    burst = bench.measure(lambda: [dist.all_reduce(x) for _ in range(n)], repeats=20, warmup=1, before=dist.barrier)
+    alpha = burst.median / n if world > 1 else 0.0
     return {
-        "step_s": statistics.median(step_s),
-        "comm_s": statistics.median(comm_s),
-        "all_reduce_s": all_reduce_s,
-        "unsharded_step_s": statistics.median(unsharded_s) if unsharded_s else float("nan"),
+        "step_s": t["tp"].median,
+        "comm_s": statistics.median(comm_s[-steps:]),
+        "all_reduce_s": alpha,
+        "unsharded_step_s": t["full"].median if timed_full else float("nan"),
     }
 
 
-def main(quick: bool = False) -> None:
+def collectives_per_token(config) -> int:
+    """Two all-reduces per layer (attention and MLP outputs), one for the vocab-parallel embedding
+    and one all-gather of the vocab-parallel logits."""
+    return 2 * config.num_hidden_layers + 1 + 1
+
+
+def main(quick: bool = False) -> bench.Result:
     cost = load("stage07_tensor_parallel.cost_model")
-    full, which = _target()
-    c = full.config
-    steps = 20 if quick else 60
-    print(
-        f"model: {which}, {full.num_params() / 1e6:.2f}M params, {c.num_hidden_layers} layers; decode after {CONTEXT} tokens"
-    )
+    full, which = bench.model()
+    c, steps = full.config, 20 if quick else 60
+    print(f"model: {which}, {c.num_hidden_layers} layers; decode after {CONTEXT} tokens")
 
     # --- measured on this CPU: one core per rank; TP=1 on one core interleaved step by step with
     # TP=2 in the same run (the ratio we quote), and TP=1 on both cores in a separate run.
@@ -112,7 +93,7 @@ def main(quick: bool = False) -> None:
         "TP=2, 1 thread/rank": {"step_s": tp2["step_s"], "comm_s": tp2["comm_s"]},
         "TP=1, 2 threads (own run)": {"step_s": two_threads["step_s"], "comm_s": 0.0},
     }
-    n_collectives = 2 * c.num_hidden_layers + 1 + 1
+    n_collectives = collectives_per_token(c)
     # The cost model with this machine's numbers: the compute halves, each collective costs alpha.
     predicted_comm = n_collectives * tp2["all_reduce_s"]
     predicted_tp2 = base["step_s"] / 2 + predicted_comm
@@ -120,23 +101,15 @@ def main(quick: bool = False) -> None:
         {"run": label, "ms/token": m["step_s"] * 1e3, "in collectives (ms)": m["comm_s"] * 1e3}
         for label, m in measured.items()
     ]
-    rows.append(
-        {
-            "run": "TP=2 predicted (TP=1/2 + 18 x alpha)",
-            "ms/token": predicted_tp2 * 1e3,
-            "in collectives (ms)": predicted_comm * 1e3,
-        }
-    )
+    rows.append({"run": f"TP=2 predicted (TP=1/2 + {n_collectives} x alpha)", "ms/token": predicted_tp2 * 1e3,
+                 "in collectives (ms)": predicted_comm * 1e3})  # fmt: skip
     print(bench.table(rows, title="measured on this CPU (gloo over loopback), median per decode step"))
     slowdown = tp2["step_s"] / base["step_s"]
     print(
         f"\nTP=2 / TP=1 time per token: {slowdown:.2f}x. Why: one gloo all-reduce of a {c.hidden_size}-float vector "
         f"costs {tp2['all_reduce_s'] * 1e6:.0f} us here (alpha), a token needs {n_collectives} collectives "
-        f"({n_collectives * tp2['all_reduce_s'] * 1e3:.2f} ms), while the whole TP=1 step computes in "
-        f"{base['step_s'] * 1e3:.2f} ms, so halving it saves at most {base['step_s'] / 2 * 1e3:.2f} ms."
-    )
-
-    print(
+        f"({predicted_comm * 1e3:.2f} ms), while the whole TP=1 step computes in "
+        f"{base['step_s'] * 1e3:.2f} ms, so halving it saves at most {base['step_s'] / 2 * 1e3:.2f} ms.\n"
         f"Outside the collectives a TP=2 step takes {(tp2['step_s'] - tp2['comm_s']) * 1e3:.2f} ms against "
         f"{base['step_s'] * 1e3:.2f} ms unsharded: at this size a step is mostly Python and per-op overhead, "
         "which TP does not divide."
@@ -147,38 +120,29 @@ def main(quick: bool = False) -> None:
             "and the threads wait for each other when the cores are shared."
         )
 
-    # --- predicted: Llama-3-70B decode, batch 1, on H100s
+    planning = llama3_70b_planning(cost)
+    figures = {"model": which, "measured": measured, "all_reduce_s": tp2["all_reduce_s"], "tp2_over_tp1": slowdown,
+               "tp2_predicted_s": predicted_tp2, "llama3_70b_planning": planning}  # fmt: skip
+    return bench.Result(rows, figures, _plot(measured, predicted_tp2, predicted_comm, planning))
+
+
+def llama3_70b_planning(cost) -> list[dict]:
+    """The cost model's Llama-3-70B decode (batch 1, context 1024) on H100s at TP = 1, 2, 4, 8."""
     planning = []
     for link_name, link in (("NVLink", cost.NVLINK), ("PCIe", cost.PCIE)):
         for p in (1, 2, 4, 8):
             t = cost.tp_step_time(cost.LLAMA3_70B, p, 1, **link, **cost.H100, context=1024)
             planning.append({"link": link_name, "TP": p, "ms/token": t.total * 1e3, "HBM (ms)": t.memory * 1e3,
                              "compute (ms)": t.compute * 1e3, "comm (ms)": t.comm * 1e3})  # fmt: skip
-    print()
-    print(
-        bench.table(
-            planning, title="cost model: Llama-3-70B bf16, batch 1, context 1024, H100 (989 TFLOP/s, 3.35 TB/s)"
-        )
-    )
+    title = "cost model: Llama-3-70B bf16, batch 1, context 1024, H100 (989 TFLOP/s, 3.35 TB/s)"
+    print(f"\n{bench.table(planning, title=title)}")
     nv = {r["TP"]: r["ms/token"] for r in planning if r["link"] == "NVLink"}
     pc = {r["TP"]: r["ms/token"] for r in planning if r["link"] == "PCIe"}
     print(f"\npredicted TP=8 vs TP=1 speed-up: NVLink {nv[1] / nv[8]:.1f}x, PCIe {pc[1] / pc[8]:.1f}x")
-
-    out = {
-        "machine": bench.machine(),
-        "model": which,
-        "measured": measured,
-        "all_reduce_s": tp2["all_reduce_s"],
-        "tp2_over_tp1": slowdown,
-        "tp2_predicted_s": predicted_tp2,
-        "llama3_70b_planning": planning,
-    }
-    plot.RESULTS.mkdir(exist_ok=True)
-    (plot.RESULTS / "stage07.json").write_text(json.dumps(out, indent=2) + "\n")
-    _plot(measured, predicted_tp2, predicted_comm, planning)
+    return planning
 
 
-def _plot(measured, predicted_tp2, predicted_comm, planning) -> None:
+def _plot(measured, predicted_tp2, predicted_comm, planning):
     plt = plot.setup()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
     shown = {k: v for k, v in measured.items() if "own run" not in k}  # the interleaved pair
@@ -202,7 +166,7 @@ def _plot(measured, predicted_tp2, predicted_comm, planning) -> None:
     ax2.set_title("cost model: Llama-3-70B decode, batch 1, H100")
     ax2.legend(fontsize=8)
     fig.tight_layout()
-    print(f"plot: {plot.save(fig, 'stage07')}")
+    return fig
 
 
 if __name__ == "__main__":

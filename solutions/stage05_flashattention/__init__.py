@@ -7,7 +7,6 @@ An explicit TRITON_INTERPRET in the environment wins (the ahead-of-time compile 
 
 import os
 
-import torch
+from labkit import triton_interpret
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["TRITON_INTERPRET"] = triton_interpret()

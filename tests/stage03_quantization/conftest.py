@@ -1,8 +1,8 @@
 """Shared fixtures for the stage-03 tests: one torch thread, small random-init labkit models."""
 
 import pytest
-import torch
 
+from labkit.device import pin_threads
 from labkit.model import Config, Llama, init_weights
 
 
@@ -10,10 +10,8 @@ from labkit.model import Config, Llama, init_weights
 def one_thread():
     """These tensors are small: a second intra-op thread only adds OpenMP synchronisation, which
     stalls badly when the CPU is shared. Restored after each test."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with pin_threads(1):
+        yield
 
 
 def _make_llama(seed: int = 0, **overrides) -> Llama:

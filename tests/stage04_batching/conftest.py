@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from labkit.device import pin_threads
+
 
 @pytest.fixture(scope="session")
 def tokenizer():
@@ -24,8 +26,6 @@ def tokenizer():
 @pytest.fixture(autouse=True)
 def _one_thread():
     """These models are tiny: one thread is faster than two fighting over small matrices."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    yield
-    torch.set_num_threads(threads)
+    with pin_threads(1):
+        torch.manual_seed(0)
+        yield

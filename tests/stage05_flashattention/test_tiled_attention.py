@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from labkit.device import pin_threads
 from labkit.tensor_memory import TensorWatch
 
 MODULE = "stage05_flashattention.tiled_attention"
@@ -31,10 +32,8 @@ def reference_lse(q, k, causal):
 @pytest.fixture
 def one_thread():
     """Memory tests count bytes, not seconds: one thread avoids OpenMP stalls on a shared, busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with pin_threads(1):
+        yield
 
 
 CASES = [  # seed, H, H_kv, T, block_q, block_k, causal: GQA ratios 1/2/4, T not a multiple of the blocks

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from labkit.device import pin_threads
 from labkit.testing import LLAMA_CONFIGS, labkit_from_hf, random_llama
 
 # HF's min_new_tokens hides EOS from the argmax, which a speculative run that ignores EOS does not
@@ -52,7 +53,5 @@ def count_forwards():
 def one_thread():
     """Batch-1 decoding of tiny models gains nothing from intra-op threads, and on a shared 2-core
     machine their spin-waiting makes each small forward orders of magnitude slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with pin_threads(1):
+        yield
