@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # Triton kernels run in its CPU interpreter unless there is an NVIDIA GPU to compile them for.
 export TRITON_INTERPRET ?= $(if $(wildcard /dev/nvidia0),0,1)
 
-.PHONY: setup test grade lab bench serve check lint format
+.PHONY: setup test grade lab bench serve check lint format llamacpp
 
 setup: .venv/.installed
 
@@ -32,9 +32,14 @@ lab: setup
 	LABS_IMPL=$${LABS_IMPL:-student} .venv/bin/jupyter lab --notebook-dir=$(CURDIR)
 
 ## make bench STAGE=02: one stage's benchmark (reference solution unless IMPL=student)
-bench: setup
+bench: setup $(if $(filter 03b,$(STAGE)),llamacpp)
 	@test -n "$(STAGE)" || { echo "usage: make bench STAGE=02"; exit 2; }
 	LABS_IMPL=$(IMPL) $(PY) -m labkit.bench $(STAGE)
+
+## make llamacpp: the optional llama.cpp build (llama-cpp-python, CPU) that stage 03b's benchmark runs its GGUF files in
+llamacpp: setup
+	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "building llama.cpp from source (about 4 minutes on 2 cores)"; \
+	  CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF" $(PY) -m pip install -q --disable-pip-version-check -r requirements-llamacpp.txt; }
 
 ## make serve [IMPL=student]: stage 04's OpenAI-compatible server on the tiny target, 127.0.0.1:8000
 serve: setup

@@ -1,0 +1,181 @@
+"""Stage 03, part 2: the learner's GGUF files of the tiny target, run by llama.cpp itself.
+
+One row per file (F32, Q8_0, Q4_K_M, Q4_0, all written by stage03_quantization.gguf_export):
+file MB, bits per weight, held-out perplexity from llama.cpp's own logits, KL(HF fp32 || llama.cpp)
+and top-1 agreement with the HF model on the same windows, and llama.cpp's decode tokens/s (batch 1,
+one thread). The course's own decode (labkit's PyTorch Llama, fp32 and stage 03's INT8 / RTN INT4
+layers) is timed the same way in the same run.
+
+Needs llama-cpp-python, which compiles llama.cpp on install: `make llamacpp` (about 4 minutes).
+"""
+
+import copy
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import labkit
+from labkit.bench import measure
+from labkit.evaluate import heldout, load_tokenizer
+from labkit.impl import load
+from labkit.model import load as load_model
+from labkit.plot import RESULTS, save, setup
+
+MIXES = ("F32", "Q8_0", "Q4_K_M", "Q4_0")
+CONTEXT = 64  # decode steps are timed at this position, the KV cache rewound after each
+
+
+def require_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SystemExit(
+            "stage 03b runs the GGUF files in llama.cpp, which is not installed: run `make llamacpp` "
+            "(pip install -r requirements-llamacpp.txt; it compiles llama.cpp, about 4 minutes on 2 cores)"
+        ) from None
+    return llama_cpp
+
+
+def llama(path: Path, n_ctx: int):
+    """A llama.cpp context on one thread that keeps the logits of every position."""
+    from llama_cpp import Llama
+
+    return Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=1, n_threads_batch=1,
+                 logits_all=True, verbose=False)  # fmt: skip
+
+
+def llamacpp_logits(llm, window: list[int]) -> np.ndarray:
+    """(T, vocab) float32 logits llama.cpp computes for one window, from an empty cache."""
+    llm.reset()
+    llm.eval(window)
+    return np.array(llm.scores[: len(window)], dtype=np.float32)
+
+
+def log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def llamacpp_decode_step(llm, context: int = CONTEXT):
+    """A closure running one llama.cpp decode step at position `context` (eval drops the KV beyond n_tokens)."""
+    llm.reset()
+    llm.eval([1] * context)
+
+    def step():
+        llm.n_tokens = context
+        llm.eval([1])
+
+    return step
+
+
+def torch_decode_step(model, context: int = CONTEXT):
+    """The same step in the course's PyTorch model: one cached token at position `context`."""
+    cache = model.new_cache(1, context + 1)
+    with torch.no_grad():
+        model(torch.ones(1, context, dtype=torch.long), cache)
+    token = torch.ones(1, 1, dtype=torch.long)
+
+    def step():
+        with torch.no_grad():
+            model(token, cache)
+        cache.truncate(context)
+
+    return step
+
+
+def main(quick: bool = False) -> None:
+    require_llama_cpp()
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)  # llama.cpp runs on one thread too: the comparison is per core
+    export = load("stage03_quantization.gguf_export")
+    ql = load("stage03_quantization.quant_linear")
+    tokenizer = load_tokenizer(labkit.TARGET)
+    seq = 256 if quick else 512
+    windows = heldout(tokenizer, n_tokens=4 * seq if quick else 16 * seq, seq=seq)
+    repeats = 10 if quick else 30
+
+    hf = AutoModelForCausalLM.from_pretrained(labkit.TARGET, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = [log_softmax(hf(w[None]).logits[0].numpy()) for w in windows]
+    nll_hf = -sum(lp[np.arange(seq - 1), w[1:].numpy()].sum() for w, lp in zip(windows, ref, strict=True))
+    n_params = sum(p.numel() for p in hf.parameters())
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mix in MIXES:
+            path = export.export_gguf(labkit.TARGET, Path(tmp) / f"tiny-target-{mix}.gguf", mix)
+            llm = llama(path, n_ctx=seq)
+            nll = kl = agree = count = 0.0
+            for w, lp_ref in zip(windows, ref, strict=True):
+                lp = log_softmax(llamacpp_logits(llm, w.tolist()))
+                nll -= lp[np.arange(seq - 1), w[1:].numpy()].sum()
+                kl += (np.exp(lp_ref) * (lp_ref - lp)).sum()
+                agree += (lp.argmax(-1) == lp_ref.argmax(-1)).sum()
+                count += seq
+            step = measure(llamacpp_decode_step(llm), repeats=repeats, warmup=3)
+            size = path.stat().st_size
+            rows.append(
+                {
+                    "engine": "llama.cpp",
+                    "format": mix,
+                    "file MB": round(size / 1e6, 2),
+                    "bits/weight": round(8 * size / n_params, 2),
+                    "ppl": round(float(np.exp(nll / (len(windows) * (seq - 1)))), 4),
+                    "KL vs HF fp32": float(f"{kl / count:.3g}"),
+                    "top-1 agree": round(agree / count, 4),
+                    "decode tok/s": round(1 / step.median, 1),
+                }
+            )
+            print(f"  llama.cpp {mix}: done", flush=True)
+            del llm
+
+    fp32 = load_model(labkit.TARGET)
+    ppl_fp32 = float(np.exp(nll_hf / (len(windows) * (seq - 1))))  # HF's fp32 logits, the same windows
+    for name, model in (
+        ("fp32", fp32),
+        ("INT8 per-channel", ql.quantize_model(copy.deepcopy(fp32), "int8")),
+        ("RTN INT4 g128", ql.quantize_model(copy.deepcopy(fp32), "rtn", 4, 128)),
+    ):
+        step = measure(torch_decode_step(model), repeats=repeats, warmup=3)
+        rows.append(
+            {"engine": "course (PyTorch)", "format": name, "file MB": "", "bits/weight": "",
+             "ppl": round(ppl_fp32, 4) if name == "fp32" else "", "KL vs HF fp32": "", "top-1 agree": "",
+             "decode tok/s": round(1 / step.median, 1)}
+        )  # fmt: skip
+
+    from labkit.bench import machine, table
+
+    print(table(rows, title=f"Stage 03b: GGUF files of the tiny target in llama.cpp ({len(windows)} windows of {seq})"))
+    q4km, q8 = (next(r for r in rows if r["format"] == f) for f in ("Q4_K_M", "Q8_0"))
+    print(
+        f"Q4_K_M vs Q8_0: perplexity {q4km['ppl']} vs {q8['ppl']} "
+        f"({100 * (q4km['ppl'] / q8['ppl'] - 1):+.2f} %), file {q4km['file MB']} vs {q8['file MB']} MB.\n"
+        "Perplexity uses llama.cpp's logits; the course's INT8/INT4 rows are stage 03's PyTorch layers, which "
+        "dequantize the whole weight on every call. Bits/weight count the whole file (fp32 norms, metadata)."
+    )
+    RESULTS.mkdir(exist_ok=True)
+    out = {"machine": machine(), "windows": len(windows), "seq": seq, "threads": 1, "rows": rows}
+    (RESULTS / "stage03b.json").write_text(json.dumps(out, indent=2, ensure_ascii=False))
+    print(f"saved {_plot(rows)} and {RESULTS / 'stage03b.json'}")
+
+
+def _plot(rows: list[dict]):
+    """Left: llama.cpp perplexity against file size. Right: decode tokens/s of every row."""
+    plt = setup()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    cpp = [r for r in rows if r["engine"] == "llama.cpp"]
+    a.plot([r["file MB"] for r in cpp], [r["ppl"] for r in cpp], "o")
+    for r in cpp:
+        a.annotate(r["format"], (r["file MB"], r["ppl"]), fontsize=8)
+    a.set(xlabel="GGUF file MB", ylabel="held-out perplexity (llama.cpp)", title="quality vs size")
+    labels = [f"{r['format']}\n{'llama.cpp' if r['engine'] == 'llama.cpp' else 'course'}" for r in rows]
+    b.bar(range(len(rows)), [r["decode tok/s"] for r in rows],
+          color=["C0" if r["engine"] == "llama.cpp" else "C1" for r in rows])  # fmt: skip
+    b.set_xticks(range(len(rows)), labels, fontsize=7)
+    b.set(ylabel="decode tokens/s (batch 1, 1 thread)", title="decode speed")
+    return save(fig, "stage03b")
