@@ -161,28 +161,32 @@ def fit_min_scale(
     """
     lo = np.minimum(x.min(axis=1, keepdims=True), 0)
     span = x.max(axis=1, keepdims=True) - lo
-    inv_span = inverse(span)
+    shifted = (x - lo) * inverse(span)  # in [0, 1]
     scale, mn = span / np.float32(nmax), lo
     if search:
-        steps = (nmax - 1 + 0.1 * np.arange(n_grid + 1)).astype(np.float32)
-        q = np.clip(np.rint(steps[:, None, None] * inv_span * (x - lo)), 0, nmax)  # (c, n, group)
-        n = x.shape[1]
-        sum_q, sum_q2 = q.sum(-1, keepdims=True), (q * q).sum(-1, keepdims=True)
-        sum_x, sum_xq = x.sum(-1, keepdims=True), (q * x).sum(-1, keepdims=True)
-        det = n * sum_q2 - sum_q * sum_q
-        safe = np.where(det > 0, det, 1)
-        c_scale = (n * sum_xq - sum_x * sum_q) / safe
-        c_min = (sum_q2 * sum_x - sum_q * sum_xq) / safe
-        positive = c_min > 0  # the min must stay ≤ 0: refit the scale alone with min = 0
-        c_scale = np.where(positive, sum_xq / np.where(sum_q2 > 0, sum_q2, 1), c_scale)
-        c_min = np.where(positive, 0, c_min)
-        c_err = np.where(det > 0, ((c_scale * q + c_min - x) ** 2).sum(-1, keepdims=True), np.inf)
-        best_err = ((scale * np.clip(np.rint(inv_span * nmax * (x - lo)), 0, nmax) + mn - x) ** 2).sum(
-            -1, keepdims=True
-        )
-        for cs, cm, ce in zip(c_scale, c_min, c_err, strict=True):
-            better = ce < best_err
-            scale, mn, best_err = np.where(better, cs, scale), np.where(better, cm, mn), np.where(better, ce, best_err)
+        n, sum_x = x.shape[1], x.sum(-1, keepdims=True)
+        best_err = ((scale * np.clip(np.rint(nmax * shifted), 0, nmax) + mn - x) ** 2).sum(-1, keepdims=True)
+        for step in (nmax - 1 + 0.1 * np.arange(n_grid + 1)).astype(np.float32):
+            q = np.clip(np.rint(step * shifted), 0, nmax)
+            sum_q, sum_q2, sum_xq = (
+                q.sum(-1, keepdims=True),
+                (q * q).sum(-1, keepdims=True),
+                (q * x).sum(-1, keepdims=True),
+            )
+            det = n * sum_q2 - sum_q * sum_q  # least squares for x ≈ c_scale · q + c_min
+            safe = np.where(det > 0, det, 1)
+            c_scale = (n * sum_xq - sum_x * sum_q) / safe
+            c_min = (sum_q2 * sum_x - sum_q * sum_xq) / safe
+            positive = c_min > 0  # the min must stay ≤ 0: refit the scale alone with min = 0
+            c_scale = np.where(positive, sum_xq / np.where(sum_q2 > 0, sum_q2, 1), c_scale)
+            c_min = np.where(positive, 0, c_min)
+            c_err = ((c_scale * q + c_min - x) ** 2).sum(-1, keepdims=True)
+            better = (c_err < best_err) & (det > 0)
+            scale, mn, best_err = (
+                np.where(better, c_scale, scale),
+                np.where(better, c_min, mn),
+                np.where(better, c_err, best_err),
+            )
     flat = span == 0
     return np.where(flat, 0, scale).astype(np.float32), np.where(flat, -lo, -mn).astype(np.float32)
 
