@@ -63,14 +63,15 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     raise NotImplementedError("stage03: permute_qk — see lab2.ipynb §6")
 
 
-def tensor_type(name: str, shape: tuple[int, ...], mix: str, n_layer: int) -> str:
+def tensor_type(name: str, shape: tuple[int, ...], mix: str, n_layer: int, has_output: bool = False) -> str:
     """The ggml type llama.cpp's quantizer (llama_tensor_get_type) gives a tensor in file type `mix`.
 
-    name: a GGUF name ('blk.3.ffn_down.weight'); shape: its HF shape (rows, cols) or (n,).
+    name: a GGUF name ('blk.3.ffn_down.weight'); shape: its HF shape (rows, cols) or (n,);
+    has_output: whether the file has its own output.weight (False when the embeddings are tied).
     returns one of "F32", "Q8_0", "Q4_0", "Q4_K", "Q6_K":
     - 1-D tensors (the norms) stay F32 in every mix, and everything is F32 in "F32";
-    - the output matrix, which is `token_embd` when the embeddings are tied (no output.weight),
-      is the most sensitive one: Q6_K in Q4_0 and Q4_K_M (Q8_0 stays Q8_0);
+    - the output matrix (output.weight, or token_embd.weight when there is no output.weight because
+      the embeddings are tied) is the most sensitive one: Q6_K in Q4_0 and Q4_K_M (Q8_0 stays Q8_0);
     - Q4_K_M: attn_v and ffn_down of the layers where use_more_bits(i, n_layer) holds get Q6_K,
       every other matrix Q4_K. use_more_bits(i, n) = i < n/8 or i ≥ 7n/8 or (i - n/8) % 3 == 2
       (integer division): the first and last eighth of the layers and every third one between;
@@ -92,15 +93,17 @@ def gguf_tensors(model_dir: str | os.PathLike, mix: str) -> dict[str, tuple[np.n
     config = read_config(model_dir, "llama")
     n_layer = config["num_hidden_layers"]
     n_head, n_kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    state = load_state_dict(model_dir)
+    has_output = "lm_head.weight" in state
     out = {}
-    for hf_name, t in sorted(load_state_dict(model_dir).items()):
+    for hf_name, t in sorted(state.items()):
         w = t.float().numpy()
         if hf_name.endswith("q_proj.weight"):
             w = permute_qk(w, n_head)
         elif hf_name.endswith("k_proj.weight"):
             w = permute_qk(w, n_kv)
         name = gguf_name(hf_name)
-        kind = tensor_type(name, w.shape, mix, n_layer)
+        kind = tensor_type(name, w.shape, mix, n_layer, has_output)
         out[name] = (w, kind) if kind == "F32" else (QUANTIZERS[kind](w), kind)
     return out
 

@@ -64,31 +64,34 @@ def use_more_bits(i: int, n: int) -> bool:
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
-def expected_type(name: str, shape: tuple[int, ...], mix: str, n_layer: int) -> str:
-    """What llama.cpp's llama_tensor_get_type picks for a plain Llama with tied embeddings."""
+def expected_type(name: str, shape: tuple[int, ...], mix: str, n_layer: int, has_output: bool = False) -> str:
+    """What llama.cpp's llama_tensor_get_type picks for a plain Llama (tied embeddings unless has_output)."""
     if len(shape) == 1 or mix == "F32":
         return "F32"
-    if name in ("output.weight", "token_embd.weight"):
+    if name == "output.weight" or (name == "token_embd.weight" and not has_output):
         return "Q8_0" if mix == "Q8_0" else "Q6_K"
     if mix != "Q4_K_M":
         return mix
+    if name == "token_embd.weight":
+        return "Q4_K"
     layer = int(name.split(".")[1])
     return "Q6_K" if name.split(".")[2] in ("attn_v", "ffn_down") and use_more_bits(layer, n_layer) else "Q4_K"
 
 
+@pytest.mark.parametrize("has_output", [False, True])
 @pytest.mark.parametrize("n_layer", [8, 26, 32])
-def test_03b_tensor_type_follows_llamacpp_mixes(impl, n_layer):
+def test_03b_tensor_type_follows_llamacpp_mixes(impl, n_layer, has_output):
     tensor_type = impl(MOD).tensor_type
-    names = ["token_embd.weight", "output_norm.weight"]
+    names = ["token_embd.weight", "output_norm.weight"] + (["output.weight"] if has_output else [])
     for i in range(n_layer):
         names += [f"blk.{i}.{t}.weight" for t in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output")]
         names += [f"blk.{i}.{t}.weight" for t in ("ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
     for mix in ("F32", "Q8_0", "Q4_0", "Q4_K_M"):
         for name in names:
             shape = (512,) if "norm" in name else (512, 768)
-            want = expected_type(name, shape, mix, n_layer)
-            got = tensor_type(name, shape, mix, n_layer)
-            assert got == want, f"n_layer={n_layer}, {mix}: {name} should be {want}, got {got}"
+            want = expected_type(name, shape, mix, n_layer, has_output)
+            got = tensor_type(name, shape, mix, n_layer, has_output)
+            assert got == want, f"n_layer={n_layer}, has_output={has_output}, {mix}: {name} should be {want}, got {got}"
     assert tensor_type("blk.0.attn_q.weight", (64, 320), "Q4_K_M", n_layer) == "F32", (
         "a row of 320 is not a whole number of 256-weight super-blocks: that tensor must stay F32"
     )
