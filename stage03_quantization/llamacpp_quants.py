@@ -99,10 +99,11 @@ def _better(blocks: np.ndarray, encodings: list[np.ndarray], dequantize) -> np.n
 
 
 def quantize_q8_0(x: np.ndarray) -> np.ndarray:
-    """Q8_0: per 32 weights, d = absmax / 127 and q = roundf(x / d) in int8 (so |q| ≤ 127).
+    """Q8_0: per 32 weights, d = absmax / 127 and q = roundf(x · (1/d)) in int8 (so |q| ≤ 127).
 
     x: (..., cols) float32, cols % 32 == 0 -> (..., cols / 32 * 34) uint8, each block d fp16 then 32 int8.
-    Bit for bit what ggml's quantize_row_q8_0_ref writes: q uses the float32 d, not its fp16 rounding.
+    Bit for bit what ggml's quantize_row_q8_0_ref writes: 1/d is taken in float32 (`inverse`, 0 for an
+    all-zero block) from the float32 d, not from its fp16 rounding.
     """
     raise NotImplementedError("stage03: quantize_q8_0 — see lab2.ipynb §2")
 
@@ -117,7 +118,7 @@ def dequantize_q8_0(data: np.ndarray) -> np.ndarray:
 
 def quantize_q4_0(x: np.ndarray) -> np.ndarray:
     """Q4_0: per 32 weights, the signed value m of largest magnitude sets d = m / -8, so m itself
-    lands on code 0 (level -8) and the other side gets levels up to +7; q = min(15, trunc(x / d + 8.5)).
+    lands on code 0 (level -8) and the other side gets levels up to +7; q = min(15, trunc(x · (1/d) + 8.5)).
 
     x: (..., cols) float32, cols % 32 == 0 -> (..., cols / 32 * 18) uint8: d fp16, then byte j
     holds weight j in its low nibble and weight j + 16 in its high nibble.

@@ -11,14 +11,16 @@ Needs llama-cpp-python, which compiles llama.cpp on install: `make llamacpp` (ab
 
 import copy
 import json
+import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import labkit
-from labkit.bench import measure
+from labkit.bench import gc_paused, machine, table
 from labkit.evaluate import heldout, load_tokenizer
 from labkit.impl import load
 from labkit.model import load as load_model
@@ -87,6 +89,21 @@ def torch_decode_step(model, context: int = CONTEXT):
     return step
 
 
+def interleaved_medians(steps: dict, repeats: int, warmup: int = 3) -> dict:
+    """Median seconds per call of every closure in `steps`, timed round-robin so drift hits all alike."""
+    for _ in range(warmup):
+        for fn in steps.values():
+            fn()
+    times = {key: [] for key in steps}
+    with gc_paused():
+        for _ in range(repeats):
+            for key, fn in steps.items():
+                t0 = time.perf_counter()
+                fn()
+                times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
 def main(quick: bool = False) -> None:
     require_llama_cpp()
     from transformers import AutoModelForCausalLM
@@ -103,58 +120,58 @@ def main(quick: bool = False) -> None:
     with torch.no_grad():
         ref = [log_softmax(hf(w[None]).logits[0].numpy()) for w in windows]
     nll_hf = -sum(lp[np.arange(seq - 1), w[1:].numpy()].sum() for w, lp in zip(windows, ref, strict=True))
+    ppl_hf = float(np.exp(nll_hf / (len(windows) * (seq - 1))))  # HF's fp32 logits, the same windows
     n_params = sum(p.numel() for p in hf.parameters())
 
-    rows = []
+    rows, steps = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for mix in MIXES:
             path = export.export_gguf(labkit.TARGET, Path(tmp) / f"tiny-target-{mix}.gguf", mix)
             llm = llama(path, n_ctx=seq)
-            nll = kl = agree = count = 0.0
+            nll = kl = agree = 0.0
             for w, lp_ref in zip(windows, ref, strict=True):
                 lp = log_softmax(llamacpp_logits(llm, w.tolist()))
                 nll -= lp[np.arange(seq - 1), w[1:].numpy()].sum()
                 kl += (np.exp(lp_ref) * (lp_ref - lp)).sum()
                 agree += (lp.argmax(-1) == lp_ref.argmax(-1)).sum()
-                count += seq
-            step = measure(llamacpp_decode_step(llm), repeats=repeats, warmup=3)
-            size = path.stat().st_size
+            size, count = path.stat().st_size, len(windows) * seq
+            ppl = float(np.exp(nll / (len(windows) * (seq - 1))))
             rows.append(
                 {
                     "engine": "llama.cpp",
                     "format": mix,
                     "file MB": round(size / 1e6, 2),
                     "bits/weight": round(8 * size / n_params, 2),
-                    "ppl": round(float(np.exp(nll / (len(windows) * (seq - 1)))), 4),
+                    "ppl": f"{ppl:.4f}",
+                    "ppl Δ% vs HF": round(100 * (ppl / ppl_hf - 1), 3),
                     "KL vs HF fp32": float(f"{kl / count:.3g}"),
                     "top-1 agree": round(agree / count, 4),
-                    "decode tok/s": round(1 / step.median, 1),
                 }
             )
+            steps[("llama.cpp", mix)] = llamacpp_decode_step(llm)
             print(f"  llama.cpp {mix}: done", flush=True)
-            del llm
 
-    fp32 = load_model(labkit.TARGET)
-    ppl_fp32 = float(np.exp(nll_hf / (len(windows) * (seq - 1))))  # HF's fp32 logits, the same windows
-    for name, model in (
-        ("fp32", fp32),
-        ("INT8 per-channel", ql.quantize_model(copy.deepcopy(fp32), "int8")),
-        ("RTN INT4 g128", ql.quantize_model(copy.deepcopy(fp32), "rtn", 4, 128)),
-    ):
-        step = measure(torch_decode_step(model), repeats=repeats, warmup=3)
-        rows.append(
-            {"engine": "course (PyTorch)", "format": name, "file MB": "", "bits/weight": "",
-             "ppl": round(ppl_fp32, 4) if name == "fp32" else "", "KL vs HF fp32": "", "top-1 agree": "",
-             "decode tok/s": round(1 / step.median, 1)}
-        )  # fmt: skip
-
-    from labkit.bench import machine, table
+        fp32 = load_model(labkit.TARGET)
+        for name, model in (
+            ("fp32", fp32),
+            ("INT8 per-channel", ql.quantize_model(copy.deepcopy(fp32), "int8")),
+            ("RTN INT4 g128", ql.quantize_model(copy.deepcopy(fp32), "rtn", 4, 128)),
+        ):
+            steps[("course (PyTorch)", name)] = torch_decode_step(model)
+            rows.append({"engine": "course (PyTorch)", "format": name, "file MB": "", "bits/weight": "",
+                         "ppl": f"{ppl_hf:.4f}" if name == "fp32" else "", "ppl Δ% vs HF": "", "KL vs HF fp32": "",
+                         "top-1 agree": ""})  # fmt: skip
+        seconds = interleaved_medians(steps, repeats)
+    for r in rows:
+        r["decode tok/s"] = round(1 / seconds[(r["engine"], r["format"])], 1)
+        r["vs course fp32"] = round(seconds[("course (PyTorch)", "fp32")] / seconds[(r["engine"], r["format"])], 2)
 
     print(table(rows, title=f"Stage 03b: GGUF files of the tiny target in llama.cpp ({len(windows)} windows of {seq})"))
     q4km, q8 = (next(r for r in rows if r["format"] == f) for f in ("Q4_K_M", "Q8_0"))
     print(
         f"Q4_K_M vs Q8_0: perplexity {q4km['ppl']} vs {q8['ppl']} "
-        f"({100 * (q4km['ppl'] / q8['ppl'] - 1):+.2f} %), file {q4km['file MB']} vs {q8['file MB']} MB.\n"
+        f"({100 * (float(q4km['ppl']) / float(q8['ppl']) - 1):+.3f} %), file {q4km['file MB']} vs {q8['file MB']} MB.\n"
+        "Decode steps of every row are timed round-robin in one loop (median of repeats), so load drift hits all alike.\n"
         "Perplexity uses llama.cpp's logits; the course's INT8/INT4 rows are stage 03's PyTorch layers, which "
         "dequantize the whole weight on every call. Bits/weight count the whole file (fp32 norms, metadata)."
     )
@@ -169,9 +186,9 @@ def _plot(rows: list[dict]):
     plt = setup()
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     cpp = [r for r in rows if r["engine"] == "llama.cpp"]
-    a.plot([r["file MB"] for r in cpp], [r["ppl"] for r in cpp], "o")
+    a.plot([r["file MB"] for r in cpp], [float(r["ppl"]) for r in cpp], "o")
     for r in cpp:
-        a.annotate(r["format"], (r["file MB"], r["ppl"]), fontsize=8)
+        a.annotate(r["format"], (r["file MB"], float(r["ppl"])), fontsize=8)
     a.set(xlabel="GGUF file MB", ylabel="held-out perplexity (llama.cpp)", title="quality vs size")
     labels = [f"{r['format']}\n{'llama.cpp' if r['engine'] == 'llama.cpp' else 'course'}" for r in rows]
     b.bar(range(len(rows)), [r["decode tok/s"] for r in rows],
