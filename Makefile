@@ -38,8 +38,8 @@ bench: setup $(if $(filter 03b,$(STAGE)),llamacpp)
 
 ## make llamacpp: the optional llama.cpp build (llama-cpp-python, CPU) that stage 03b's benchmark runs its GGUF files in
 llamacpp: setup
-	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "building llama.cpp from source (about 4 minutes on 2 cores)"; \
-	  CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF" $(PY) -m pip install -q --disable-pip-version-check -r requirements-llamacpp.txt; }
+	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "building llama.cpp from source (about 4 minutes on 2 idle cores)"; \
+	  CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF" $(PY) -m pip install -q --disable-pip-version-check -r requirements-llamacpp.txt; }
 
 ## make serve [IMPL=student]: stage 04's OpenAI-compatible server on the tiny target, 127.0.0.1:8000
 serve: setup

@@ -6,7 +6,7 @@ and top-1 agreement with the HF model on the same windows, and llama.cpp's decod
 one thread). The course's own decode (labkit's PyTorch Llama, fp32 and stage 03's INT8 / RTN INT4
 layers) is timed the same way in the same run.
 
-Needs llama-cpp-python, which compiles llama.cpp on install: `make llamacpp` (about 4 minutes).
+Needs llama-cpp-python, which compiles llama.cpp on install: `make llamacpp` (about 4 minutes on 2 idle cores).
 """
 
 import copy
@@ -36,7 +36,7 @@ def require_llama_cpp():
     except ImportError:
         raise SystemExit(
             "stage 03b runs the GGUF files in llama.cpp, which is not installed: run `make llamacpp` "
-            "(pip install -r requirements-llamacpp.txt; it compiles llama.cpp, about 4 minutes on 2 cores)"
+            "(pip install -r requirements-llamacpp.txt; it compiles llama.cpp, about 4 minutes on 2 idle cores)"
         ) from None
     return llama_cpp
 

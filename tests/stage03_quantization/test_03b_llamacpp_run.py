@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def llama_cpp():
     return pytest.importorskip(
         "llama_cpp",
-        reason="llama.cpp is not installed; `make llamacpp` builds it (llama-cpp-python, about 4 min on 2 cores)",
+        reason="llama.cpp is not installed; `make llamacpp` builds it (llama-cpp-python, about 4 min on 2 idle cores)",
     )
 
 
