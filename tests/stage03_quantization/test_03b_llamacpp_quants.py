@@ -19,7 +19,8 @@ BYTES_PER_BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q6_K
 
 def weights(seed: int, rows: int = 6, cols: int = 768) -> np.ndarray:
     """Gaussian or heavy-tailed rows of different magnitudes, 1 % outliers ×20, an all-zero
-    super-block, constant blocks of either sign, and a row that is all positive."""
+    super-block, constant blocks of either sign, a row that is all positive, and two blocks whose
+    scale is exactly 1 so that rounding ties really happen."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, cols)) if seed % 2 == 0 else rng.standard_t(3, (rows, cols))
     x *= np.logspace(-2, 0.5, rows)[rng.permutation(rows), None]
@@ -27,6 +28,10 @@ def weights(seed: int, rows: int = 6, cols: int = 768) -> np.ndarray:
     x[0, 256:512] = 0.0
     x[1, :32], x[1, 32:64], x[1, 64:256] = 0.25, -0.75, 1.5
     x[2] = np.abs(x[2]) + 0.1
+    if rows > 3:  # exact ties: with d = 1, x / d lands on k + 0.5, where roundf and trunc(x + 8.5) differ from np.round
+        halves = rng.permutation(np.arange(-7, 7) + 0.5)
+        x[3, :32] = np.concatenate([[127.0], halves, -halves, [0.0, 126.5, -126.5]])[:32]
+        x[3, 32:64] = np.concatenate([[-8.0], halves, -halves, [0.0, 7.0, -7.5]])[:32]
     return x.astype(np.float32)
 
 
