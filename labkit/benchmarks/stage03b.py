@@ -182,17 +182,19 @@ def main(quick: bool = False) -> None:
 
 
 def _plot(rows: list[dict]):
-    """Left: llama.cpp perplexity against file size. Right: decode tokens/s of every row."""
+    """Left: KL from the HF model against file size (llama.cpp). Right: decode tokens/s of every row."""
     plt = setup()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     cpp = [r for r in rows if r["engine"] == "llama.cpp"]
-    a.plot([r["file MB"] for r in cpp], [float(r["ppl"]) for r in cpp], "o")
+    a.plot([r["file MB"] for r in cpp], [r["KL vs HF fp32"] for r in cpp], "o")
     for r in cpp:
-        a.annotate(r["format"], (r["file MB"], float(r["ppl"])), fontsize=8)
-    a.set(xlabel="GGUF file MB", ylabel="held-out perplexity (llama.cpp)", title="quality vs size")
-    labels = [f"{r['format']}\n{'llama.cpp' if r['engine'] == 'llama.cpp' else 'course'}" for r in rows]
-    b.bar(range(len(rows)), [r["decode tok/s"] for r in rows],
-          color=["C0" if r["engine"] == "llama.cpp" else "C1" for r in rows])  # fmt: skip
-    b.set_xticks(range(len(rows)), labels, fontsize=7)
-    b.set(ylabel="decode tokens/s (batch 1, 1 thread)", title="decode speed")
+        a.annotate(f"{r['format']} (ppl {r['ppl']})", (r["file MB"], r["KL vs HF fp32"]), fontsize=8)
+    a.set(xlabel="GGUF file MB", ylabel="KL(HF fp32 || llama.cpp), nats/token", yscale="log",
+          title="llama.cpp on the exported files: quality vs size")  # fmt: skip
+    labels = [f"{r['format']} ({'llama.cpp' if r['engine'] == 'llama.cpp' else 'course'})" for r in rows]
+    b.barh(range(len(rows)), [r["decode tok/s"] for r in rows],
+           color=["C0" if r["engine"] == "llama.cpp" else "C1" for r in rows])  # fmt: skip
+    b.set_yticks(range(len(rows)), labels, fontsize=8)
+    b.invert_yaxis()
+    b.set(xlabel="decode tokens/s (batch 1, 1 thread)", title="decode speed (measured while other jobs ran)")
     return save(fig, "stage03b")
