@@ -6,7 +6,7 @@ IMPL ?= solution
 export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test grade lab bench serve check lint format
+.PHONY: setup test grade lab bench serve check lint format llamacpp
 
 setup: .venv/.installed
 
@@ -31,9 +31,14 @@ lab: setup
 
 ## make bench STAGE=02 [QUICK=1] [MODEL=dir DRAFT=dir]: one stage's benchmark (reference solution unless
 ## IMPL=student) on the tiny pair or your HF-format Llama folders; QUICK=1 saves to bench_results/*_quick.*
-bench: setup
+bench: setup $(if $(filter 03b,$(STAGE)),llamacpp)
 	@test -n "$(STAGE)" || { echo "usage: make bench STAGE=02"; exit 2; }
 	LABS_IMPL=$(IMPL) $(PY) -m labkit.bench $(STAGE) $(if $(QUICK),--quick)
+
+## make llamacpp: the optional llama.cpp build (llama-cpp-python, CPU) that stage 03b's benchmark runs its GGUF files in
+llamacpp: setup
+	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "building llama.cpp from source (about 4 minutes on 2 idle cores)"; \
+	  CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF" $(PY) -m pip install -q --disable-pip-version-check -r requirements-llamacpp.txt; }
 
 ## make serve [IMPL=student]: stage 04's OpenAI-compatible server on the tiny target, 127.0.0.1:8000
 serve: setup

@@ -1,0 +1,200 @@
+"""Stage 03, part 2: the learner's GGUF files of the tiny target, run by llama.cpp itself.
+
+One row per file (F32, Q8_0, Q4_K_M, Q4_0, all written by stage03_quantization.gguf_export):
+file MB, bits per weight, held-out perplexity from llama.cpp's own logits, KL(HF fp32 || llama.cpp)
+and top-1 agreement with the HF model on the same windows, and llama.cpp's decode tokens/s (batch 1,
+one thread). The course's own decode (labkit's PyTorch Llama, fp32 and stage 03's INT8 / RTN INT4
+layers) is timed the same way in the same run.
+
+Needs llama-cpp-python, which compiles llama.cpp on install: `make llamacpp` (about 4 minutes on 2 idle cores).
+"""
+
+import copy
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import labkit
+from labkit.bench import gc_paused, machine, table
+from labkit.evaluate import heldout, load_tokenizer
+from labkit.impl import load
+from labkit.model import load as load_model
+from labkit.plot import RESULTS, save, setup
+
+MIXES = ("F32", "Q8_0", "Q4_K_M", "Q4_0")
+CONTEXT = 64  # decode steps are timed at this position, the KV cache rewound after each
+
+
+def require_llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise SystemExit(
+            "stage 03b runs the GGUF files in llama.cpp, which is not installed: run `make llamacpp` "
+            "(pip install -r requirements-llamacpp.txt; it compiles llama.cpp, about 4 minutes on 2 idle cores)"
+        ) from None
+    return llama_cpp
+
+
+def llama(path: Path, n_ctx: int):
+    """A llama.cpp context on one thread that keeps the logits of every position."""
+    from llama_cpp import Llama
+
+    return Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=1, n_threads_batch=1,
+                 logits_all=True, verbose=False)  # fmt: skip
+
+
+def llamacpp_logits(llm, window: list[int]) -> np.ndarray:
+    """(T, vocab) float32 logits llama.cpp computes for one window, from an empty cache."""
+    llm.reset()
+    llm.eval(window)
+    return np.array(llm.scores[: len(window)], dtype=np.float32)
+
+
+def log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def llamacpp_decode_step(llm, context: int = CONTEXT):
+    """A closure running one llama.cpp decode step at position `context` (eval drops the KV beyond n_tokens)."""
+    llm.reset()
+    llm.eval([1] * context)
+
+    def step():
+        llm.n_tokens = context
+        llm.eval([1])
+
+    return step
+
+
+def torch_decode_step(model, context: int = CONTEXT):
+    """The same step in the course's PyTorch model: one cached token at position `context`."""
+    cache = model.new_cache(1, context + 1)
+    with torch.no_grad():
+        model(torch.ones(1, context, dtype=torch.long), cache)
+    token = torch.ones(1, 1, dtype=torch.long)
+
+    def step():
+        with torch.no_grad():
+            model(token, cache)
+        cache.truncate(context)
+
+    return step
+
+
+def interleaved_medians(steps: dict, repeats: int, warmup: int = 3) -> dict:
+    """Median seconds per call of every closure in `steps`, timed round-robin so drift hits all alike."""
+    for _ in range(warmup):
+        for fn in steps.values():
+            fn()
+    times = {key: [] for key in steps}
+    with gc_paused():
+        for _ in range(repeats):
+            for key, fn in steps.items():
+                t0 = time.perf_counter()
+                fn()
+                times[key].append(time.perf_counter() - t0)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
+def main(quick: bool = False) -> None:
+    require_llama_cpp()
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)  # llama.cpp runs on one thread too: the comparison is per core
+    export = load("stage03_quantization.gguf_export")
+    ql = load("stage03_quantization.quant_linear")
+    tokenizer = load_tokenizer(labkit.TARGET)
+    seq = 256 if quick else 512
+    windows = heldout(tokenizer, n_tokens=4 * seq if quick else 16 * seq, seq=seq)
+    repeats = 10 if quick else 30
+
+    hf = AutoModelForCausalLM.from_pretrained(labkit.TARGET, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = [log_softmax(hf(w[None]).logits[0].numpy()) for w in windows]
+    nll_hf = -sum(lp[np.arange(seq - 1), w[1:].numpy()].sum() for w, lp in zip(windows, ref, strict=True))
+    ppl_hf = float(np.exp(nll_hf / (len(windows) * (seq - 1))))  # HF's fp32 logits, the same windows
+    n_params = sum(p.numel() for p in hf.parameters())
+
+    rows, steps = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mix in MIXES:
+            path = export.export_gguf(labkit.TARGET, Path(tmp) / f"tiny-target-{mix}.gguf", mix)
+            llm = llama(path, n_ctx=seq)
+            nll = kl = agree = 0.0
+            for w, lp_ref in zip(windows, ref, strict=True):
+                lp = log_softmax(llamacpp_logits(llm, w.tolist()))
+                nll -= lp[np.arange(seq - 1), w[1:].numpy()].sum()
+                kl += (np.exp(lp_ref) * (lp_ref - lp)).sum()
+                agree += (lp.argmax(-1) == lp_ref.argmax(-1)).sum()
+            size, count = path.stat().st_size, len(windows) * seq
+            ppl = float(np.exp(nll / (len(windows) * (seq - 1))))
+            rows.append(
+                {
+                    "engine": "llama.cpp",
+                    "format": mix,
+                    "file MB": round(size / 1e6, 2),
+                    "bits/weight": round(8 * size / n_params, 2),
+                    "ppl": f"{ppl:.4f}",
+                    "ppl Δ% vs HF": round(100 * (ppl / ppl_hf - 1), 3),
+                    "KL vs HF fp32": float(f"{kl / count:.3g}"),
+                    "top-1 agree": round(agree / count, 4),
+                }
+            )
+            steps[("llama.cpp", mix)] = llamacpp_decode_step(llm)
+            print(f"  llama.cpp {mix}: done", flush=True)
+
+        fp32 = load_model(labkit.TARGET)
+        for name, model in (
+            ("fp32", fp32),
+            ("INT8 per-channel", ql.quantize_model(copy.deepcopy(fp32), "int8")),
+            ("RTN INT4 g128", ql.quantize_model(copy.deepcopy(fp32), "rtn", 4, 128)),
+        ):
+            steps[("course (PyTorch)", name)] = torch_decode_step(model)
+            rows.append({"engine": "course (PyTorch)", "format": name, "file MB": "", "bits/weight": "",
+                         "ppl": f"{ppl_hf:.4f}" if name == "fp32" else "", "ppl Δ% vs HF": "", "KL vs HF fp32": "",
+                         "top-1 agree": ""})  # fmt: skip
+        seconds = interleaved_medians(steps, repeats)
+    for r in rows:
+        r["decode tok/s"] = round(1 / seconds[(r["engine"], r["format"])], 1)
+        r["vs course fp32"] = round(seconds[("course (PyTorch)", "fp32")] / seconds[(r["engine"], r["format"])], 2)
+
+    print(table(rows, title=f"Stage 03b: GGUF files of the tiny target in llama.cpp ({len(windows)} windows of {seq})"))
+    q4km, q8 = (next(r for r in rows if r["format"] == f) for f in ("Q4_K_M", "Q8_0"))
+    print(
+        f"Q4_K_M vs Q8_0: perplexity {q4km['ppl']} vs {q8['ppl']} "
+        f"({100 * (float(q4km['ppl']) / float(q8['ppl']) - 1):+.3f} %), file {q4km['file MB']} vs {q8['file MB']} MB.\n"
+        "Decode steps of every row are timed round-robin in one loop (median of repeats), so load drift hits all alike.\n"
+        "Perplexity uses llama.cpp's logits; the course's INT8/INT4 rows are stage 03's PyTorch layers, which "
+        "dequantize the whole weight on every call. Bits/weight count the whole file (fp32 norms, metadata)."
+    )
+    RESULTS.mkdir(exist_ok=True)
+    out = {"machine": machine(), "windows": len(windows), "seq": seq, "threads": 1, "rows": rows}
+    (RESULTS / "stage03b.json").write_text(json.dumps(out, indent=2, ensure_ascii=False))
+    print(f"saved {_plot(rows)} and {RESULTS / 'stage03b.json'}")
+
+
+def _plot(rows: list[dict]):
+    """Left: KL from the HF model against file size (llama.cpp). Right: decode tokens/s of every row."""
+    plt = setup()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    cpp = [r for r in rows if r["engine"] == "llama.cpp"]
+    a.plot([r["file MB"] for r in cpp], [r["KL vs HF fp32"] for r in cpp], "o")
+    for r in cpp:
+        a.annotate(f"{r['format']} (ppl {r['ppl']})", (r["file MB"], r["KL vs HF fp32"]), fontsize=8)
+    a.set(xlabel="GGUF file MB", ylabel="KL(HF fp32 || llama.cpp), nats/token", yscale="log",
+          title="llama.cpp on the exported files: quality vs size")  # fmt: skip
+    labels = [f"{r['format']} ({'llama.cpp' if r['engine'] == 'llama.cpp' else 'course'})" for r in rows]
+    b.barh(range(len(rows)), [r["decode tok/s"] for r in rows],
+           color=["C0" if r["engine"] == "llama.cpp" else "C1" for r in rows])  # fmt: skip
+    b.set_yticks(range(len(rows)), labels, fontsize=8)
+    b.invert_yaxis()
+    b.set(xlabel="decode tokens/s (batch 1, 1 thread)", title="decode speed (measured while other jobs ran)")
+    return save(fig, "stage03b")
