@@ -116,7 +116,8 @@ def attend_absorbed(attn, q_nope, q_pe, c_kv, k_pe, mask) -> torch.Tensor:
     q_nope·(W_UK c_kv) = (W_UKᵀ q_nope)·c_kv, so each head's query moves into the latent space
     (B, H, T, r) and scores against c_kv directly; the weighted sum of latents (B, H, T, r) then
     goes through W_UV. Same arguments and result as attend_expanded; nothing of size
-    H × S × (n or v) is ever built (the structural test checks).
+    H × S × (n or v) is ever built (the structural test checks), nor an H-fold copy of c_kv,
+    which `q_latent @ c_kv[:, None]` makes by broadcasting: contract with torch.einsum.
     """
     raise NotImplementedError("stage02: attend_absorbed — see lab2.ipynb §5")
 

@@ -137,12 +137,12 @@ def attend_absorbed(attn, q_nope, q_pe, c_kv, k_pe, mask) -> torch.Tensor:
     q_nope·(W_UK c_kv) = (W_UKᵀ q_nope)·c_kv, so each head's query moves into the latent space
     (B, H, T, r) and scores against c_kv directly; the weighted sum of latents (B, H, T, r) then
     goes through W_UV. Same arguments and result as attend_expanded; nothing of size
-    H × S × (n or v) is ever built (the structural test checks).
+    H × S × (n or v) is ever built (the structural test checks), nor an H-fold copy of c_kv,
+    which `q_latent @ c_kv[:, None]` makes by broadcasting: contract with torch.einsum.
     """
     W_UK, W_UV = split_kv_b(attn)
-    B, H, T, _ = q_nope.shape
+    B, _, T, _ = q_nope.shape
     q_latent = torch.einsum("bhtn,hnr->bhtr", q_nope, W_UK)
-    # einsum, not q_latent @ c_kv[:, None]: matmul would broadcast the latent into an H-fold copy.
     scores = torch.einsum("bhtr,bsr->bhts", q_latent, c_kv) + torch.einsum("bhtp,bsp->bhts", q_pe, k_pe)
     o_latent = torch.einsum("bhts,bsr->bhtr", masked_softmax(scores * attn.scaling, mask), c_kv)
     y = torch.einsum("bhtr,hvr->bhtv", o_latent, W_UV)
