@@ -5,7 +5,9 @@
 
 Tests and notebooks never import a stage module directly; they call `load("stage02_kv_cache.kv_cache")`.
 Modules inside a stage import each other relatively (`from .paged import ...`), so a stage's
-modules always come from the same side.
+modules always come from the same side. A given module (one without a TODO) exists once, in the
+stage folder: each solution package calls `share_given_modules`, so `solutions.stage07_x.run`
+is the stage folder's run.py, importing the solution's modules relatively.
 """
 
 import importlib
@@ -13,8 +15,15 @@ import os
 import re
 from types import ModuleType
 
+from . import ROOT
+
 IMPLS = ("student", "solution")
 _STAGE_RE = re.compile(r"^stage\d\d_[a-z0-9_]+$")
+
+
+def share_given_modules(path: list[str], package: str) -> None:
+    """In solutions/stageNN_x/__init__.py: look for modules in the stage folder after the solution's."""
+    path.append(str(ROOT / package.rsplit(".", 1)[-1]))
 
 
 def current() -> str:

@@ -11,3 +11,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from labkit.impl import share_given_modules  # given modules live only in the stage folder
+
+share_given_modules(__path__, __name__)
