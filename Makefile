@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # Triton kernels run in its CPU interpreter unless there is an NVIDIA GPU to compile them for.
 export TRITON_INTERPRET ?= $(if $(wildcard /dev/nvidia0),0,1)
 
-.PHONY: setup test grade lab bench serve check lint format
+.PHONY: setup test grade lab bench serve check lint format student-edition
 
 setup: .venv/.installed
 
@@ -39,6 +39,11 @@ bench: setup
 ## make serve [IMPL=student]: stage 04's OpenAI-compatible server on the tiny target, 127.0.0.1:8000
 serve: setup
 	$(PY) -m $(if $(filter solution,$(IMPL)),solutions.)stage04_batching.serve
+
+## make student-edition OUT=../course-learner (or BRANCH=learner): the course without its solutions
+student-edition: setup
+	@test -n "$(OUT)$(BRANCH)" || { echo "usage: make student-edition OUT=folder  or  BRANCH=name"; exit 2; }
+	$(PY) -m labkit.release $(if $(OUT),--out $(OUT),--branch $(BRANCH))
 
 ## make check: lint and format check
 check lint: setup

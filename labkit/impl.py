@@ -44,6 +44,11 @@ def load(module: str, impl: str | None = None) -> ModuleType:
     impl = impl or current()
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}.")
+    if impl == "solution" and not (ROOT / "solutions").is_dir():
+        raise ModuleNotFoundError(
+            "LABS_IMPL=solution: the reference solutions are not part of this learner edition of the course. "
+            "Unset LABS_IMPL (or set it to student) to run your own code."
+        )
     full = module if impl == "student" else f"solutions.{module}"
     try:
         return importlib.import_module(full)
