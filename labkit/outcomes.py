@@ -53,7 +53,7 @@ class Outcomes:
     def __init__(self, config, fd: int):
         self.config, self.out = config, os.fdopen(fd, "w", buffering=1)
         self.seen: dict[str, dict] = {}
-        self.before = None
+        self.before, self.may_skip = None, set()
 
     def _fingerprint(self):
         hooks = {
@@ -74,6 +74,10 @@ class Outcomes:
 
     def pytest_collection_finish(self, session):
         self.before = self._fingerprint()  # after collection, before any learner code ran
+        # Only the course may skip a test (a `gpu` test without a GPU): by a marker set at collection.
+        self.may_skip = {
+            i.nodeid for i in session.items if i.get_closest_marker("skip") or i.get_closest_marker("skipif")
+        }
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_makereport(self, item, call):
@@ -94,6 +98,11 @@ class Outcomes:
             if where := _deepest_learner_frame(report.longrepr):
                 case["where"] = where
         elif report.skipped and case["outcome"] == "passed":
+            if report.nodeid not in self.may_skip:
+                case.update(
+                    outcome="failed", message="the code under test skipped this test; only the course's markers may"
+                )
+                return
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
             case.update(outcome="skipped", message=str(reason)[:_MESSAGE_CHARS])
 

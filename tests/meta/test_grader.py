@@ -239,6 +239,23 @@ def test_a_forged_report_and_an_early_exit_fail_every_test_not_yet_reported(cour
 
 
 @needs_sandbox
+def test_a_test_skipped_from_the_module_counts_as_failed(course, tmp_path):
+    attack = """
+        import pytest
+
+
+        def add(a, b):
+            pytest.skip("not today")
+
+
+        def sub(a, b):
+            return a - b
+    """
+    row = submit(course, tmp_path, learner(attack, ""))
+    assert (row["status"], row["passed"], row["total"]) == ("in progress", 1, 2), row
+
+
+@needs_sandbox
 def test_no_process_outlives_its_grading(course, tmp_path):
     token = f"grader-test-{uuid.uuid4().hex}"
     attack = f"""
