@@ -1,13 +1,14 @@
 """`make test`: every graded test against the solutions, then the course's guarantees.
 
-For each built stage:
+For each stage folder:
   1. tests/stageNN against the reference solution   (guarantee 1: all pass)
   2. tests/meta for that stage                       (2: every test fails on the skeleton,
-                                                      3: same public API, 4: notebook runs clean)
-and tests/meta for labkit itself. A stage's part 2 (tests test_NNb_*, row NNb of the grader) lives
-in the same folders, so its tests run with part 1's. In the learner edition (no solutions/) step 1
-and the guarantees that compare with a solution are skipped, and the run says so. Jobs run side by side, one per core, each with one thread
-(many small ops run faster that way than two OpenMP threads fighting over two cores). Prints a
+                                                      3: same API and given code, 4: notebooks run clean)
+and every other tests/meta file (labkit, the grader, the learner edition) as a job of its own. A
+stage's part 2 (tests test_NNb_*, grader row NNb) lives in the same folders and runs with part 1.
+In the learner edition (no solutions/) step 1 and the guarantees that compare with a solution are
+skipped, and the run says so. Jobs run side by side, one per core, each with one thread (many
+small ops run faster that way than two OpenMP threads fighting over two cores). Prints a
 per-stage timing table; exits 1 if anything failed.
 """
 
@@ -32,8 +33,9 @@ def main(argv=None) -> int:
         rows.setdefault(folder, []).append(number)
     edition = not (ROOT / "solutions").is_dir()
 
-    meta = ["tests/meta/test_labkit.py", "tests/meta/test_grader.py", "tests/meta/test_release.py"]
-    jobs = [("labkit", "toolbox, grader, edition", [m for m in meta if (ROOT / m).is_file()])]
+    # Every other tests/meta file is its own job (labkit, the grader, the learner edition, ...).
+    meta = sorted(p for p in (ROOT / "tests" / "meta").glob("test_*.py") if p.name != "test_guarantees.py")
+    jobs = [("meta", p.stem[5:], [str(p.relative_to(ROOT))]) for p in meta]
     for folder, numbers in rows.items():
         label = "stage " + "+".join(numbers)
         if not edition:
