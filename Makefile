@@ -23,7 +23,7 @@ setup: .venv/.installed
 test: setup
 	$(PY) -m labkit.check
 
-## make grade [STAGE=02]: grade your own stage code
+## make grade [STAGE=02]: grade your own stage code (STAGE=02b: a stage's second part)
 grade: setup
 	$(PY) -m labkit.grade $(if $(STAGE),--stage $(STAGE))
 
