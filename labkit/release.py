@@ -119,6 +119,10 @@ def commit_to_branch(branch: str, root: Path = ROOT, allow_dirty: bool = False) 
         subprocess.run([*git, "add", "-A", "."], env=env, check=True, cwd=tree_dir)
         tree = subprocess.run([*git, "write-tree"], env=env, capture_output=True, text=True, check=True).stdout.strip()
     parents = ["-p", parent.stdout.strip()] if parent.returncode == 0 else []
+    if parents:
+        previous = subprocess.run([*git, "rev-parse", f"{parents[1]}^{{tree}}"], capture_output=True, text=True)
+        if previous.stdout.strip() == tree:  # nothing changed since the last edition: no empty commit
+            return parents[1]
     message = f"learner edition of {head}"
     commit = subprocess.run(
         [*git, "commit-tree", tree, *parents, "-m", message], capture_output=True, text=True, check=True
