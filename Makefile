@@ -6,7 +6,7 @@ IMPL ?= solution
 export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test grade lab bench serve check lint format llamacpp
+.PHONY: setup test grade lab bench serve check lint format llamacpp student-edition
 
 setup: .venv/.installed
 
@@ -21,7 +21,7 @@ setup: .venv/.installed
 test: setup
 	$(PY) -m labkit.check
 
-## make grade [STAGE=02]: grade your own stage code
+## make grade [STAGE=02]: grade your own stage code (STAGE=02b: a stage's second part)
 grade: setup
 	$(PY) -m labkit.grade $(if $(STAGE),--stage $(STAGE))
 
@@ -43,6 +43,11 @@ llamacpp: setup
 ## make serve [IMPL=student]: stage 04's OpenAI-compatible server on the tiny target, 127.0.0.1:8000
 serve: setup
 	$(PY) -m $(if $(filter solution,$(IMPL)),solutions.)stage04_batching.serve
+
+## make student-edition OUT=../course-learner (or BRANCH=learner): the course without its solutions
+student-edition: setup
+	@test -n "$(OUT)$(BRANCH)" || { echo "usage: make student-edition OUT=folder  or  BRANCH=name"; exit 2; }
+	$(PY) -m labkit.release $(if $(OUT),--out $(OUT),--branch $(BRANCH))
 
 ## make check: lint and format check
 check lint: setup

@@ -5,7 +5,9 @@
 
 Tests and notebooks never import a stage module directly; they call `load("stage02_kv_cache.kv_cache")`.
 Modules inside a stage import each other relatively (`from .paged import ...`), so a stage's
-modules always come from the same side.
+modules always come from the same side. A given module (one without a TODO) exists once, in the
+stage folder: each solution package calls `share_given_modules`, so `solutions.stage07_x.run`
+is the stage folder's run.py, importing the solution's modules relatively.
 """
 
 import importlib
@@ -13,8 +15,15 @@ import os
 import re
 from types import ModuleType
 
+from . import ROOT
+
 IMPLS = ("student", "solution")
 _STAGE_RE = re.compile(r"^stage\d\d_[a-z0-9_]+$")
+
+
+def share_given_modules(path: list[str], package: str) -> None:
+    """In solutions/stageNN_x/__init__.py: look for modules in the stage folder after the solution's."""
+    path.append(str(ROOT / package.rsplit(".", 1)[-1]))
 
 
 def current() -> str:
@@ -35,6 +44,11 @@ def load(module: str, impl: str | None = None) -> ModuleType:
     impl = impl or current()
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}.")
+    if impl == "solution" and not (ROOT / "solutions").is_dir():
+        raise ModuleNotFoundError(
+            "LABS_IMPL=solution: the reference solutions are not part of this learner edition of the course. "
+            "Unset LABS_IMPL (or set it to student) to run your own code."
+        )
     full = module if impl == "student" else f"solutions.{module}"
     try:
         return importlib.import_module(full)

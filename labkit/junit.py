@@ -1,4 +1,6 @@
-"""Run pytest in a subprocess and read its JUnit XML: what the grader and `make test` share."""
+"""Run pytest in a subprocess and read its JUnit XML: how `make test` and the guarantees run pytest.
+
+(The grader does not use it: a learner's code could rewrite the XML. See labkit.outcomes.)"""
 
 import os
 import signal
@@ -31,7 +33,7 @@ class Run:
         return sum(c.outcome == outcome for c in self.cases)
 
 
-def run_pytest(args: list[str], cwd: Path, env: dict | None = None, timeout: float | None = None, echo=False) -> Run:
+def run_pytest(args: list[str], cwd: Path, env: dict | None = None, timeout: float | None = None) -> Run:
     """pytest <args> in a fresh interpreter; a run past `timeout` seconds is killed and marked."""
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "junit.xml"
@@ -41,7 +43,7 @@ def run_pytest(args: list[str], cwd: Path, env: dict | None = None, timeout: flo
             cmd,
             cwd=cwd,
             env={**os.environ, **(env or {})},
-            stdout=None if echo else subprocess.PIPE,
+            stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,  # its own process group, so a timeout kills workers and servers too

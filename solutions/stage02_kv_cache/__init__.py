@@ -1,1 +1,5 @@
 """Stage 02: the KV cache — memory math, GQA, cached decode that equals uncached decode."""
+
+from labkit.impl import share_given_modules  # given modules live only in the stage folder
+
+share_given_modules(__path__, __name__)

@@ -10,3 +10,7 @@ import os
 from labkit import triton_interpret
 
 os.environ["TRITON_INTERPRET"] = triton_interpret()
+
+from labkit.impl import share_given_modules  # given modules live only in the stage folder
+
+share_given_modules(__path__, __name__)

@@ -1,1 +1,5 @@
 """Stage 06: speculative decoding — draft and verify, exact rejection sampling, prompt lookup, the speedup math."""
+
+from labkit.impl import share_given_modules  # given modules live only in the stage folder
+
+share_given_modules(__path__, __name__)

@@ -1,11 +1,18 @@
-"""The grader on a toy course: untouched, finished, and stuck in an infinite loop."""
+"""The grader on a toy course: untouched, finished, stuck, split in two rows, and tampered with.
 
+The tampering routes are those of issue 21: each is a tiny submission whose functions are wrong,
+and each must grade as failing with the instructor's course left as it was.
+"""
+
+import json
+import os
 import shutil
 import textwrap
+import uuid
 
 import pytest
 
-from labkit import ROOT, grade
+from labkit import ROOT, grade, sandbox, todo
 
 SKELETON = """
 def sub(a: int, b: int) -> int:
@@ -15,62 +22,282 @@ def sub(a: int, b: int) -> int:
 def add(a: int, b: int) -> int:
     raise NotImplementedError("stage01: add — see lab.ipynb §1")
 """
-TEST = """
+SOLUTION = "def sub(a, b):\n    return a - b\n\n\ndef add(a, b):\n    return a + b\n"
+TESTS = {
+    "test_toy.py": """
 def test_sub_is_exact(impl):
     assert impl("stage01_forward_numpy.toy").sub(2, 3) == -1
 
 
 def test_add_is_exact(impl):
     assert impl("stage01_forward_numpy.toy").add(2, 3) == 5
+""",
+    "test_01b_toy.py": """
+def test_add_of_negatives(impl):
+    assert impl("stage01_forward_numpy.toy").add(-2, -3) == -5
+""",
+}
+WRONG = "def add(a, b):\n    return 0\n\n\ndef sub(a, b):\n    return 0\n"
+FLIP = """
+import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    outcome.get_result().outcome = "passed"
 """
+CONFTEST = """
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--impl", choices=["student", "solution"], default=None)
 
 
 @pytest.fixture
-def course(tmp_path):
+def impl():
+    from labkit.impl import load
+
+    return load
+"""
+SANDBOX = sandbox.unavailable()
+needs_sandbox = pytest.mark.skipif(SANDBOX is not None, reason=f"no sandbox here: {SANDBOX}")
+
+
+@pytest.fixture
+def course(tmp_path, monkeypatch):
+    """A one-module stage 01 with two rows (01 and 01b), a solution, and the course's conftest."""
     root = tmp_path / "course"
-    (root / "stage01_forward_numpy").mkdir(parents=True)
-    (root / "stage01_forward_numpy" / "__init__.py").write_text("")
-    (root / "stage01_forward_numpy" / "toy.py").write_text(SKELETON)
+    for base, text in (("stage01_forward_numpy", SKELETON), ("solutions/stage01_forward_numpy", SOLUTION)):
+        (root / base).mkdir(parents=True)
+        (root / base / "__init__.py").write_text("")
+        (root / base / "toy.py").write_text(text)
+    (root / "solutions" / "__init__.py").write_text("")
     (root / "tests" / "stage01_forward_numpy").mkdir(parents=True)
-    (root / "tests" / "stage01_forward_numpy" / "test_toy.py").write_text(TEST)
-    shutil.copy(ROOT / "conftest.py", root)
+    for name, text in TESTS.items():
+        (root / "tests" / "stage01_forward_numpy" / name).write_text(text)
+    (root / "conftest.py").write_text(CONFTEST)  # the course's, without torch: the toy needs only `impl`
+    shutil.copy(ROOT / "pyproject.toml", root)
+    monkeypatch.setitem(grade.STAGES, "01b", ("stage01_forward_numpy", "toy part 2"))
     return root
 
 
-def write_learner(course, add: str, sub: str = "return a - b"):
-    code = "".join(
-        f"def {name}(a: int, b: int) -> int:\n{textwrap.indent(body, '    ')}\n\n\n"
-        for name, body in (("add", add), ("sub", sub))
-    )
-    (course / "stage01_forward_numpy" / "toy.py").write_text(code)
+def write_learner(course, code: str):
+    (course / "stage01_forward_numpy" / "toy.py").write_text(textwrap.dedent(code))
+
+
+def rows(course, numbers=("01",), timeout=120, submission=None):
+    return grade.grade(list(numbers), submission, timeout, source=course)
 
 
 def test_untouched_stage_is_not_started_with_the_earliest_handout_hint(course):
-    row = grade.grade_stage(course, "01", timeout=120, verbose=False)
+    (row,) = rows(course)
     assert (row["status"], row["passed"], row["total"]) == ("not started", 0, 2)
     assert "stage01: add — see lab.ipynb §1" in row["hint"], "the hint should point to the earliest section (§1)"
     assert "stage01_forward_numpy/toy.py:" in row["hint"], "the hint should name the learner's file and line"
 
 
 def test_finished_stage_is_complete(course):
-    write_learner(course, add="return a + b")
-    row = grade.grade_stage(course, "01", timeout=120, verbose=False)
-    assert (row["status"], row["score"]) == ("complete", 100.0)
+    write_learner(course, SOLUTION)
+    assert [(r["status"], r["score"]) for r in rows(course, ("01", "01b"))] == [("complete", 100.0)] * 2
 
 
-def test_half_done_stage_is_in_progress_and_lists_the_failure(course):
-    write_learner(course, add="return a + b", sub="return b - a")
-    row = grade.grade_stage(course, "01", timeout=120, verbose=True)
-    assert (row["status"], row["passed"]) == ("in progress", 1)
-    assert [f["test"].rsplit("::", 1)[-1] for f in row["failures"]] == ["test_sub_is_exact"]
+def test_part_two_tests_form_their_own_row(course):
+    write_learner(course, "def add(a, b):\n    return a + b if a > 0 else 0\n\n\ndef sub(a, b):\n    return a - b\n")
+    first, second = rows(course, ("01", "01b"))
+    assert (first["status"], first["total"], second["status"], second["total"]) == ("complete", 2, "not started", 1)
+    assert [f["test"].rsplit("::", 1)[-1] for f in second["failures"]] == ["test_add_of_negatives"]
 
 
 def test_infinite_loop_is_a_timeout_not_a_hang(course):
-    write_learner(course, add="while True:\n    pass")
-    row = grade.grade_stage(course, "01", timeout=8, verbose=False)
-    assert row["status"] == "timeout"
+    write_learner(course, "def add(a, b):\n    while True:\n        pass\n\n\ndef sub(a, b):\n    return a - b\n")
+    (row,) = rows(course, timeout=8)
+    assert row["status"] == "timeout", row
+    assert {f["test"].rsplit("::", 1)[-1]: f["message"] for f in row["failures"]} == {
+        "test_add_is_exact": "not reached before the time limit"
+    }
 
 
-def test_unbuilt_stage_is_coming(course):
-    row = grade.grade_stage(course, "06", timeout=60, verbose=False)
-    assert row["status"] == "coming"
+def test_both_todo_forms_are_found_and_sorted_by_section():
+    source = 'def f():\n    raise NotImplementedError("stage05: f — see lab.ipynb §3")\n\n\n'
+    source += '@triton.jit\ndef k(x):\n    tl.static_assert(False, "stage05: k — see lab2.ipynb §1")\n'
+    assert [msg for _, msg in todo.todos(source)] == ["stage05: f — see lab.ipynb §3", "stage05: k — see lab2.ipynb §1"]
+    interpreted = "InterpreterError: AssertionError('stage05: k — see lab2.ipynb §1')"
+    assert todo.section(interpreted) == (2, 1) and todo.section("stage05: f — see lab.ipynb §3") == (1, 3)
+
+
+# --- --submission: the instructor's tool, against the tampering routes of issue 21 -----------------
+
+
+def learner(attack: str, rest: str = WRONG) -> str:
+    return textwrap.dedent(attack) + "\n\n" + rest
+
+
+def submit(course, tmp_path, code: str, timeout=120) -> dict:
+    sub = tmp_path / f"submission-{uuid.uuid4().hex[:6]}"
+    (sub / "stage01_forward_numpy").mkdir(parents=True)
+    (sub / "stage01_forward_numpy" / "toy.py").write_text(code)
+    (row,) = rows(course, submission=sub, timeout=timeout)
+    return row
+
+
+def snapshot(course) -> dict:
+    return {str(p): p.read_bytes() for p in course.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+
+
+@needs_sandbox
+def test_honest_submission_is_complete_and_a_wrong_one_fails(course, tmp_path):
+    assert submit(course, tmp_path, SOLUTION)["status"] == "complete"
+    assert submit(course, tmp_path, WRONG)["status"] == "not started"
+
+
+@needs_sandbox
+def test_planting_a_conftest_in_the_instructors_course_fails_and_writes_nothing(course, tmp_path):
+    attack = f"""
+        import os, pathlib
+        for base in [{str(course)!r}, os.readlink(f"/proc/{{os.getppid()}}/cwd"), os.getcwd()]:
+            for sub in ("tests", "tests/stage01_forward_numpy", "."):
+                try:
+                    (pathlib.Path(base) / sub / "conftest.py").write_text({FLIP!r})
+                except OSError:
+                    pass
+    """
+    before = snapshot(course)
+    row = submit(course, tmp_path, learner(attack))
+    assert row["passed"] == 0, row
+    assert snapshot(course) == before, "the submission wrote into the instructor's course"
+    assert submit(course, tmp_path, SKELETON)["status"] == "not started", "a later grading was affected"
+
+
+@needs_sandbox
+@pytest.mark.parametrize(
+    "attack",
+    [
+        "from solutions.stage01_forward_numpy.toy import *\n",
+        "import importlib\nglobals().update(vars(importlib.import_module('solu' + 'tions.stage01_forward_numpy.toy')))\n",
+        "import importlib.util as u\n"
+        "s = u.spec_from_file_location('t', {course!r} + '/solutions/stage01_forward_numpy/toy.py')\n"
+        "m = u.module_from_spec(s)\ns.loader.exec_module(m)\nadd, sub = m.add, m.sub\n",
+    ],
+    ids=["import", "dynamic-import", "by-path"],
+)
+def test_importing_the_reference_scores_zero(course, tmp_path, attack):
+    row = submit(course, tmp_path, attack.format(course=str(course)))
+    assert (row["status"], row["passed"]) == ("not started", 0), row
+    if "import *" in attack:
+        assert "imports from `solutions`" in row["hint"], row["hint"]
+
+
+@needs_sandbox
+def test_a_pytest_hook_planted_from_the_module_zeroes_the_row(course, tmp_path):
+    attack = """
+        import gc, pytest
+        config = next(o for o in gc.get_objects() if type(o).__name__ == "Config" and hasattr(o, "pluginmanager"))
+
+        class Flip:
+            @pytest.hookimpl(hookwrapper=True)
+            def pytest_runtest_makereport(self, item, call):
+                outcome = yield
+                outcome.get_result().outcome = "passed"
+
+        config.pluginmanager.register(Flip(), "flip")
+    """
+    row = submit(course, tmp_path, learner(attack))
+    assert (row["status"], row["passed"]) == ("tampered", 0), row
+
+
+@needs_sandbox
+def test_rewriting_the_report_at_exit_changes_nothing(course, tmp_path):
+    attack = """
+        import atexit, sys
+
+        def forge():
+            for arg in sys.argv:
+                if arg.startswith("--junitxml="):
+                    open(arg.split("=", 1)[1], "w").write('<testsuite><testcase name="t"/></testsuite>')
+
+        atexit.register(forge)
+    """
+    assert submit(course, tmp_path, learner(attack))["passed"] == 0
+
+
+@needs_sandbox
+def test_a_forged_report_and_an_early_exit_fail_every_test_not_yet_reported(course, tmp_path):
+    attack = """
+        import os, sys
+        for arg in sys.argv + ["--junitxml=junit.xml"]:
+            if arg.startswith("--junitxml="):
+                try:
+                    open(arg.split("=", 1)[1], "w").write('<testsuite><testcase classname="x" name="t"/></testsuite>')
+                except OSError:
+                    pass
+        os._exit(0)
+    """
+    row = submit(course, tmp_path, learner(attack))
+    assert (row["status"], row["passed"], row["total"]) == ("crashed", 0, 2), row
+
+
+@needs_sandbox
+def test_a_test_skipped_from_the_module_counts_as_failed(course, tmp_path):
+    attack = """
+        import pytest
+
+
+        def add(a, b):
+            pytest.skip("not today")
+
+
+        def sub(a, b):
+            return a - b
+    """
+    row = submit(course, tmp_path, learner(attack, ""))
+    assert (row["status"], row["passed"], row["total"]) == ("in progress", 1, 2), row
+
+
+@needs_sandbox
+def test_no_process_outlives_its_grading(course, tmp_path):
+    token = f"grader-test-{uuid.uuid4().hex}"
+    attack = f"""
+        import subprocess, sys
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", {token!r}], start_new_session=True)
+    """
+    submit(course, tmp_path, learner(attack))
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            alive += [pid] if token in open(f"/proc/{pid}/cmdline").read() else []
+        except OSError:
+            continue
+    assert not alive, f"processes started by the submission outlived its grading: {alive}"
+
+
+@needs_sandbox
+def test_failure_messages_carry_no_file_contents(course, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOPSECRET line one\n" + "TOPSECRET more\n" * 50)
+    attack = f"""
+        def add(a, b):
+            raise ValueError(open({str(secret)!r}).read())
+
+
+        def sub(a, b):
+            return open({str(secret)!r}).read()
+
+
+        class TopSecretError(Exception):
+            pass
+    """
+    row = submit(course, tmp_path, learner(attack, ""))
+    assert row["passed"] == 0
+    assert "TOPSECRET" not in json.dumps(row), json.dumps(row)[:2000]
+
+
+@pytest.mark.slow
+@needs_sandbox
+@pytest.mark.skipif(not (ROOT / "solutions").is_dir(), reason="the learner edition has no solutions to submit")
+def test_the_reference_solution_submitted_as_a_submission_is_complete(tmp_path):
+    """The whole of stage 01, sandboxed, as an instructor grades it."""
+    shutil.copytree(ROOT / "solutions" / "stage01_forward_numpy", tmp_path / "stage01_forward_numpy")
+    (row,) = grade.grade(["01"], tmp_path, timeout=600)
+    assert (row["status"], row["passed"]) == ("complete", row["total"]), row

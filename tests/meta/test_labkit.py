@@ -166,7 +166,7 @@ def test_impl_switch(monkeypatch):
     with pytest.raises(ValueError, match="LABS_IMPL"):
         impl.current()
     with pytest.raises(ModuleNotFoundError, match="stage name"):
-        impl.load("stage99_nothing.module", impl="solution")
+        impl.load("stage99_nothing.module", impl="student")
 
 
 @pytest.mark.parametrize("path", [labkit.TARGET, labkit.DRAFT], ids=["target", "draft"])

@@ -1,0 +1,98 @@
+"""The learner edition (labkit.release): built into a temporary folder, it holds no answer and grades.
+
+Skipped inside a learner edition, which has no solutions to leave out.
+"""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from labkit import ROOT, STAGES, release, todo
+
+pytestmark = pytest.mark.skipif(
+    not (ROOT / "solutions").is_dir() or not (ROOT / ".git").exists(),
+    reason="the edition is built from the instructors' repository (solutions/ and git)",
+)
+
+
+@pytest.fixture(scope="module")
+def edition(tmp_path_factory):
+    out = tmp_path_factory.mktemp("edition") / "course"
+    out.mkdir()
+    release.write_edition(out, allow_dirty=True)
+    return out
+
+
+def run_in(edition, *args, **kw):
+    env = os.environ | {"PYTHONPATH": str(edition), "OMP_NUM_THREADS": "1"}
+    env.pop("LABS_IMPL", None)
+    return subprocess.run([sys.executable, *args], cwd=edition, env=env, capture_output=True, text=True, **kw)
+
+
+def test_edition_leaves_out_solutions_mutants_and_the_instructors_notes(edition):
+    assert not (edition / "solutions").exists()
+    assert not (edition / "labkit" / "mutants.py").exists() and not (edition / "tests" / "meta" / "mutants").exists()
+    readme, makefile = (edition / "README.md").read_text(), (edition / "Makefile").read_text()
+    assert "learner edition" in readme and "Threat model" not in readme and "instructors-only" not in readme
+    assert "solutions." not in makefile and "labkit.release" not in makefile and "IMPL ?= student" in makefile
+    assert (edition / "tests" / "stage01_forward_numpy").is_dir() and (edition / "labkit" / "assets").is_dir()
+
+
+def _bodies(tree: ast.AST) -> set[str]:
+    """ast.dump of every function body of two statements or more (a one-liner proves nothing)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+            if len(body) >= 2:
+                found.add(ast.dump(ast.Module(body, [])))
+    return found
+
+
+def _code(path) -> list[str]:
+    if path.suffix == ".ipynb":
+        cells = json.loads(path.read_text())["cells"]
+        return ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+    return [path.read_text()] if path.suffix == ".py" else []
+
+
+def test_no_function_body_of_the_solutions_appears_in_the_edition(edition):
+    given = set()
+    for folder in dict.fromkeys(f for f, _ in STAGES.values()):
+        given |= {b for p in (ROOT / folder).glob("*.py") for b in _bodies(ast.parse(p.read_text()))}
+    answers = {b for p in (ROOT / "solutions").rglob("*.py") for b in _bodies(ast.parse(p.read_text()))} - given
+    assert answers, "found no solution bodies to look for"
+    leaks = []
+    for path in sorted(edition.rglob("*")):
+        for source in _code(path):
+            try:
+                tree = ast.parse(source)
+            except SyntaxError:  # a notebook cell with a shell escape
+                continue
+            if _bodies(tree) & answers:
+                leaks.append(str(path.relative_to(edition)))
+    assert not leaks, f"solution code in the learner edition: {leaks}"
+
+
+def test_the_solutions_switch_says_they_are_not_part_of_the_edition(edition):
+    code = "from labkit import impl; impl.load('stage01_forward_numpy.gpt2_numpy', impl='solution')"
+    out = run_in(edition, "-c", code)
+    assert out.returncode != 0 and "not part of this learner edition" in out.stderr, out.stderr[-800:]
+
+
+def test_the_learner_files_are_the_skeletons(edition):
+    for folder in dict.fromkeys(f for f, _ in STAGES.values()):
+        for path in todo.learner_files(ROOT / folder):
+            assert (edition / folder / path.name).read_text() == path.read_text()
+
+
+@pytest.mark.slow
+def test_make_grade_in_the_edition_finds_every_row_not_started(edition, tmp_path):
+    out = run_in(edition, "-m", "labkit.grade", "--json", str(tmp_path / "report.json"), timeout=1500)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = json.loads((tmp_path / "report.json").read_text())["stages"]
+    assert [(r["stage"], r["status"]) for r in rows] == [(n, "not started") for n in STAGES], out.stdout[-3000:]
