@@ -17,10 +17,10 @@ import argparse
 import ast
 import json
 import os
-import signal
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -245,8 +245,9 @@ class Workspace:
         path.write_text(original.replace(m.find, m.replace))
         t0 = time.perf_counter()
         try:
-            self.server.stdin.write(json.dumps({"args": [*args, f"--junitxml={xml}"], "timeout": timeout,
-                                                "log": str(log)}) + "\n")
+            self.server.stdin.write(
+                json.dumps({"args": [*args, f"--junitxml={xml}"], "timeout": timeout, "log": str(log)}) + "\n"
+            )
             self.server.stdin.flush()
             answer = json.loads(self.server.stdout.readline())
         finally:
@@ -270,6 +271,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants run at once")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per mutant; a timeout counts as caught")
     ap.add_argument("--min-rate", type=float, default=95.0, help="exit 1 if a stage catches less (percent)")
+    ap.add_argument("--only", help="comma-separated mutant names (e.g. 02-20,02-25) to run alone")
     ap.add_argument("--check", action="store_true", help="only validate the catalogue")
     ap.add_argument("--include-equivalent", action="store_true", help="run the documented equivalents too")
     args = ap.parse_args(argv)
@@ -291,6 +293,8 @@ def main(argv=None) -> int:
     todo: list[Mutant] = []
     for s in stages:
         ms = [m for m in catalogue[s] if args.include_equivalent or not m.equivalent]
+        if args.only:
+            ms = [m for m in ms if m.name in args.only.split(",")]
         if args.sample:
             ms = sorted(random.Random(f"mutants-{s}").sample(ms, min(args.sample, len(ms))), key=lambda m: m.index)
         todo += ms
@@ -315,8 +319,10 @@ def main(argv=None) -> int:
             with lock:
                 results[m.name] = res
                 outcome, seconds, detail = res
-                print(f"{m.name} {outcome:<8} {seconds:6.1f} s  {m.file}: {m.bug}" + (f"  [{detail}]" if detail else ""),
-                      flush=True)
+                print(
+                    f"{m.name} {outcome:<8} {seconds:6.1f} s  {m.file}: {m.bug}" + (f"  [{detail}]" if detail else ""),
+                    flush=True,
+                )
 
         try:
             with ThreadPoolExecutor(len(pool_spaces)) as pool:
