@@ -1,5 +1,7 @@
 """GPTQ: the Hessian, equality with a slow column-by-column reference, and beating round-to-nearest."""
 
+import copy
+
 import pytest
 import torch
 
@@ -104,3 +106,44 @@ def test_gptq_output_error_below_round_to_nearest(impl, seed, bits):
     assert err_gptq < 0.5 * err_rtn, (
         f"seed={seed}, bits={bits}: ||WX - ŴX||² should be under half of RTN's: GPTQ {err_gptq:.4g}, RTN {err_rtn:.4g}"
     )
+
+
+@torch.no_grad()
+def layer_by_layer_gptq(gptq, model, calib, bits: int, group_size: int, act_order: bool) -> dict[str, torch.Tensor]:
+    """GPTQ as the paper runs it on a model, written out: each decoder layer's Hessians come from
+    the inputs it receives after every layer before it was quantized. Each linear is quantized
+    with the module's own (separately tested) Hessian and gptq_quantize; returns {name: W_hat}
+    and quantizes `model` in place (its nn.Linear weights become W_hat)."""
+    from labkit.calibration import block_inputs, record_inputs
+
+    x, cos, sin, mask = block_inputs(model, calib)
+    weights = {}
+    for i, layer in enumerate(model.model.layers):
+        linears = {name: m for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+        with record_inputs(linears) as inputs:
+            layer(x, cos, sin, mask, None, i)
+        for name, linear in linears.items():
+            h = gptq.Hessian(linear.in_features)
+            for batch in inputs[name]:
+                h.add_batch(batch)
+            codes, scales, zeros = gptq.gptq_quantize(linear.weight.float(), h.H, bits, group_size, act_order=act_order)
+            linear.weight.copy_(dequant(codes, scales.half(), zeros))  # QuantLinear keeps float16 scales
+            weights[f"model.layers.{i}.{name}"] = linear.weight.clone()
+        x = layer(x, cos, sin, mask, None, i)
+    return weights
+
+
+@pytest.mark.parametrize("seed,act_order", [(0, False), (1, True)])
+def test_gptq_on_a_model_is_gptq_layer_by_layer_on_propagated_inputs(impl, make_llama, seed, act_order):
+    from labkit.testing import random_tokens
+
+    model = make_llama(seed, num_hidden_layers=3, num_key_value_heads=2)
+    calib = random_tokens(seed, 40, model.config.vocab_size, batch=3)
+    expected = layer_by_layer_gptq(impl(MOD), copy.deepcopy(model), calib, 4, 32, act_order)
+    impl(MOD).gptq_quantize_model(model, calib, bits=4, group_size=32, act_order=act_order)
+    for name, W_hat in expected.items():
+        torch.testing.assert_close(
+            model.get_submodule(name).dequantize_weight(), W_hat, atol=1e-6, rtol=0,
+            msg=f"seed={seed} act_order={act_order} {name}: differs from GPTQ applied layer by layer with the "
+            "inputs propagated through the already-quantized layers",
+        )  # fmt: skip

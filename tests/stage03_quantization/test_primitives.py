@@ -73,6 +73,23 @@ def test_groupwise_error_within_half_scale(impl, seed, bits, group_size):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("bits", [3, 4])
+def test_groupwise_all_positive_and_all_negative_groups_keep_zero_on_the_grid(impl, seed, bits):
+    maxq = 2**bits - 1
+    w = heavy_tailed(seed, (8, 96)).abs() + 0.01  # every group strictly positive ...
+    w[1::2] *= -1  # ... or, on odd rows, strictly negative
+    codes, scales, zeros = impl(MOD).quantize_groupwise(w, bits, 32)
+    groups = w.view(8, 3, 32)
+    span = groups.amax(-1).clamp(min=0) - groups.amin(-1).clamp(max=0)  # the range widened to contain 0
+    torch.testing.assert_close(scales.float(), span / maxq, msg=f"seed={seed}: one-signed groups still span 0")
+    assert (zeros[0::2] == 0).all() and (zeros[1::2] == maxq).all(), (
+        f"seed={seed}: 0 sits at code 0 in an all-positive group and at code {maxq} in an all-negative one"
+    )
+    err = (w - impl(MOD).dequantize_groupwise(codes, scales, zeros)).abs()
+    assert (err <= (scales.float() / 2).repeat_interleave(32, 1) * (1 + 1e-4)).all(), f"seed={seed}: error > scale/2"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_groupwise_smaller_groups_smaller_error(impl, seed):
     w = heavy_tailed(seed)
     mod = impl(MOD)
