@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # Triton kernels run in its CPU interpreter unless there is an NVIDIA GPU to compile them for.
 export TRITON_INTERPRET ?= $(if $(wildcard /dev/nvidia0),0,1)
 
-.PHONY: setup test grade lab bench serve check lint format
+.PHONY: setup test grade lab bench serve check lint format mutants
 
 setup: .venv/.installed
 
@@ -26,6 +26,10 @@ test: setup
 ## make grade [STAGE=02]: grade your own stage code
 grade: setup
 	$(PY) -m labkit.grade $(if $(STAGE),--stage $(STAGE))
+
+## make mutants [STAGE=04]: plant each catalogued learner bug in a copy of the solutions; count what the tests catch
+mutants: setup
+	nice -n 10 $(PY) -m labkit.mutants $(if $(STAGE),--stage $(STAGE))
 
 ## make lab: Jupyter on the notebooks
 lab: setup

@@ -28,6 +28,7 @@ def main(argv=None) -> int:
     built = [(n, folder) for n, (folder, _) in STAGES.items() if (ROOT / "tests" / folder).is_dir()]
 
     jobs = [("labkit", "toolbox and grader tests", ["tests/meta/test_labkit.py", "tests/meta/test_grader.py"])]
+    jobs.append(("mutants", "sample of learner bugs", ["tests/meta/test_mutants.py"]))
     for number, folder in built:
         jobs.append((f"stage {number}", "graded tests, solution", [f"tests/{folder}", "--impl", "solution"]))
         jobs.append((f"stage {number}", "guarantees", ["tests/meta/test_guarantees.py", "-k", folder]))

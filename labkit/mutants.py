@@ -15,6 +15,7 @@ It prints caught/planted per stage and every survivor with its description. Muta
 
 import argparse
 import ast
+import contextlib
 import json
 import os
 import random
@@ -162,10 +163,19 @@ def serve() -> None:
             pass
     import pytest
 
+    child = 0
+
+    def stop(*_):  # the runner is going away: take the running tests (and their servers) with us
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child, signal.SIGKILL)
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, stop)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
-        pid = os.fork()
+        child = pid = os.fork()
         if pid == 0:  # the child: its own process group, so a timeout kills its servers and ranks too
             os.setsid()
             fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -232,7 +242,7 @@ class Workspace:
         self.server.stdout.readline()  # {"ready": true}
 
     def close(self) -> None:
-        self.server.stdin.close()
+        self.server.terminate()  # also ends a test run still in flight (after Ctrl-C or a kill)
         self.server.wait(timeout=60)
 
     def run(self, m: Mutant, timeout: float) -> tuple[str, float, str]:
@@ -275,6 +285,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="only validate the catalogue")
     ap.add_argument("--include-equivalent", action="store_true", help="run the documented equivalents too")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the cleanup below on a plain kill too
     stages = [s.zfill(2) for s in args.stage] if args.stage else list(PART_ONE)
 
     catalogue, problems = {}, []

@@ -61,6 +61,25 @@ def test_chunked_prefill_respects_the_token_budget_and_keeps_outputs(impl, seed)
     _check_same(outs, reference(model, prompts, max_tokens), seed, "chunked prefill")
 
 
+@pytest.mark.parametrize("budget,prompt_len", [(16, 50), (7, 30)])
+def test_a_long_prompt_is_prefilled_in_budget_sized_chunks(impl, budget, prompt_len):
+    bm = impl("stage04_batching.block_manager").BlockManager(32, block_size=16)
+    sched = impl("stage04_batching.scheduler").Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=budget)
+    sq = impl("stage04_batching.sequence")
+    seq = sq.Sequence("a", list(range(3, 3 + prompt_len)), sq.SamplingParams(max_tokens=4))
+    sched.add(seq)
+    chunks = []
+    while seq.num_computed_tokens < seq.num_tokens:
+        out = sched.schedule()
+        chunks.append(out.num_tokens[out.seqs.index(seq)])
+        seq.num_computed_tokens += chunks[-1]
+    full, rest = divmod(prompt_len, budget)
+    assert chunks == [budget] * full + [rest] * bool(rest), (
+        f"a {prompt_len}-token prompt under a {budget}-token budget is computed in chunks {chunks}; every "
+        "step should take as much of the remaining prompt as the budget allows"
+    )
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_scheduler_never_exceeds_its_budgets(impl, seed):
     model = make_model(seed)

@@ -155,6 +155,7 @@ MUTANTS = [
         find="self.cached.setdefault(block.block_hash, block.block_id)",
         replace="self.cached[block.block_hash] = block.block_id",
         bug="cache_blocks overwrites the entry of an identical cached block",
+        equivalent="two blocks under one hash hold the same tokens and K/V; which of them a hit names changes no output",
     ),
     dict(
         file="block_manager.py",
