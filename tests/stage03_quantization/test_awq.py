@@ -47,6 +47,16 @@ def test_awq_scale_search_beats_rtn_on_salient_channels(impl, seed, bits):
     assert err_awq < 0.8 * err_rtn, f"seed={seed}, bits={bits}: AWQ MSE {err_awq:.4g} not below RTN {err_rtn:.4g}"
 
 
+def test_awq_search_keeps_the_first_alpha_on_a_tie(impl):
+    """With every channel equally loud, s = mean|x|^α is constant, so after normalising every α gives
+    s = 1 and the same loss: the search keeps the first, α = 0 (llm-awq compares with a strict <)."""
+    linear, _ = salient_layer(3)
+    signs = torch.randint(0, 2, (256, 128), generator=torch.Generator().manual_seed(3)) * 2 - 1.0
+    s, alpha = impl(MOD).search_scale(linear, signs, [linear], bits=4, group_size=32)
+    assert alpha == 0.0, f"every α ties; the first (0) is kept, got {alpha}"
+    torch.testing.assert_close(s, torch.ones(128), msg="equal channels give s = 1")
+
+
 @pytest.mark.parametrize("name", sorted(LLAMA_CONFIGS))
 def test_awq_folded_model_has_the_same_logits(impl, make_llama, name):
     model = make_llama(7, **LLAMA_CONFIGS[name])

@@ -84,6 +84,31 @@ def test_gptq_equals_slow_column_by_column_reference(impl, seed, act_order):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("percdamp", [0.1, 0.5])
+def test_gptq_uses_the_damping_it_is_given(impl, percdamp):
+    g = torch.Generator().manual_seed(7)
+    W = torch.randn(5, 16, generator=g, dtype=torch.float64)
+    x = correlated_inputs(7, 60, 16, torch.float64)
+    H = 2 / len(x) * x.T @ x
+    expected = slow_gptq(W, H, bits=3, group_size=8, percdamp=percdamp)
+    codes, scales, zeros = impl(MOD).gptq_quantize(W, H, bits=3, group_size=8, block_size=8, percdamp=percdamp)
+    torch.testing.assert_close(
+        dequant(codes, scales, zeros), expected, atol=1e-9, rtol=1e-9, msg=f"percdamp={percdamp}"
+    )
+
+
+def test_gptq_sets_the_weights_of_a_dead_input_to_zero(impl):
+    """An input that is always 0 has H_ii = 0: its weights never matter, and GPTQ writes 0 for them."""
+    g = torch.Generator().manual_seed(8)
+    W = torch.randn(6, 16, generator=g, dtype=torch.float64) + 0.5
+    x = correlated_inputs(8, 80, 16, torch.float64)
+    x[:, [3, 11]] = 0.0
+    codes, scales, zeros = impl(MOD).gptq_quantize(W, 2 / len(x) * x.T @ x, bits=4, group_size=8, block_size=8)
+    W_hat = dequant(codes, scales, zeros)
+    assert torch.isfinite(W_hat).all(), "a dead input must not make H singular"
+    assert (W_hat[:, [3, 11]] == 0).all(), f"dead inputs 3 and 11 should get weight 0, got {W_hat[:, [3, 11]]}"
+
+
 def rtn(W: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     out = torch.empty_like(W)
     for s in range(0, W.shape[1], group_size):

@@ -52,6 +52,23 @@ def test_int8_per_channel_has_one_scale_per_row(impl, seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_int8_all_zero_and_one_signed_rows(impl, seed):
+    x = heavy_tailed(seed, (6, 40))
+    x[0] = 0.0  # a dead output channel
+    x[1] = x[1].abs()  # all positive
+    x[2] = -x[2].abs()  # all negative
+    codes, scale = impl(MOD).quantize_int8(x, per_row=True)
+    assert (scale > 0).all() and torch.isfinite(scale).all(), (
+        f"seed={seed}: every row, even all-zero, needs a scale > 0"
+    )
+    assert (codes[0] == 0).all(), f"seed={seed}: an all-zero row quantizes to code 0"
+    deq = impl(MOD).dequantize_int8(codes, scale)
+    assert torch.equal(deq[0], x[0]), f"seed={seed}: an all-zero row comes back exactly"
+    assert codes[1].max() == 127 and codes[2].min() == -127, f"seed={seed}: a one-signed row still uses ±127"
+    assert ((x - deq).abs() <= scale / 2 * (1 + 1e-5)).all(), f"seed={seed}: error above half the row's scale"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_groupwise_error_within_half_scale(impl, seed, bits, group_size):
@@ -134,6 +151,19 @@ def test_nf4_picks_the_nearest_code_per_block(impl, seed):
     got = impl(MOD).dequantize_nf4(codes, absmax)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0, msg=f"seed={seed}: not the nearest NF4 level")
     assert codes.dtype == torch.uint8 and int(codes.max()) <= 15, f"seed={seed}: NF4 codes are 4-bit uint8"
+
+
+def test_nf4_exact_midpoints_round_down_as_bitsandbytes_does(impl):
+    """bitsandbytes' dQuantizeNF4 compares with `x > midpoint`, so a value exactly between two levels
+    takes the lower one. Each block holds 1.0 (its absmax) and the 15 midpoints."""
+    table = impl(MOD).nf4_codebook()  # equal to NF4_PUBLISHED (tested above), bit for bit what it compares with
+    mids = (table[1:] + table[:-1]) / 2
+    w = torch.cat([torch.ones(1), mids]).repeat(4)  # 4 blocks of 16
+    codes, absmax = impl(MOD).quantize_nf4(w, block_size=16)
+    assert torch.equal(absmax, torch.ones(4)), "each block's absmax is 1"
+    assert codes.reshape(4, 16)[:, 1:].tolist() == [list(range(15))] * 4, (
+        "midpoint i lies between levels i, i + 1: take i"
+    )
 
 
 @pytest.mark.parametrize("seed", SEEDS)

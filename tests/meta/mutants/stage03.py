@@ -31,6 +31,7 @@ MUTANTS = [
         find="codes = torch.round(x / scale).clamp(-127, 127).to(torch.int8)",
         replace="codes = torch.round(x / scale).clamp(-128, 127).to(torch.int8)",
         bug="quantize_int8 allows -128 (asymmetric range)",
+        equivalent="with scale = max|x| / 127, round(x / scale) already lies in [-127, 127]; the lower clamp is never reached",
     ),
     dict(
         file="primitives.py",
@@ -72,8 +73,8 @@ MUTANTS = [
     dict(
         file="primitives.py",
         find="g = w.reshape(out, n // group_size, group_size)",
-        replace="g = w.T.reshape(n // group_size, group_size, out).permute(2, 0, 1)",
-        bug="quantize_groupwise groups along output channels",
+        replace="g = w.reshape(out, group_size, n // group_size).transpose(1, 2)",
+        bug="quantize_groupwise takes strided columns as a group, not consecutive ones",
     ),
     dict(
         file="primitives.py",
@@ -124,6 +125,7 @@ MUTANTS = [
         find="return (code / code.max()).float()",
         replace="return (code / code.abs().max()).float()",
         bug="nf4_codebook normalises both sides by one max (not each side to ±1)",
+        equivalent="the two sides' extremes are ±ndtri(NF4_OFFSET): one max is the other's magnitude, so both divisions agree",
     ),
     dict(
         file="primitives.py",
@@ -341,7 +343,13 @@ MUTANTS = [
         replace="alpha = k / (n_grid - 1)",
         bug="search_scale grid includes α = 1",
     ),
-    dict(file="awq.py", find="s = s / (s.max() * s.min()).sqrt()", replace="", bug="search_scale does not normalise s"),
+    dict(
+        file="awq.py",
+        find="s = s / (s.max() * s.min()).sqrt()",
+        replace="",
+        bug="search_scale does not normalise s",
+        equivalent="group-wise min/max quantization is scale-equivariant: a constant factor on s cancels in pseudo_quantize(W·s)/s, in the loss and in the folded model",
+    ),
     dict(
         file="awq.py",
         find="linear.weight.copy_(pseudo_quantize(w * s, bits, group_size) / s)",
