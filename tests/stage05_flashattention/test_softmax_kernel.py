@@ -15,6 +15,14 @@ def test_softmax_kernel_matches_torch_fp32(impl, seed, n_cols, block):
     )
 
 
+def test_softmax_kernel_keeps_the_running_max_across_blocks(impl):
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 300, generator=g) - 150
+    x[:, :5] += 300  # the row max is in the first block, every later block ~300 below it
+    got = impl(MODULE).softmax(x, block=64)
+    torch.testing.assert_close(got, torch.softmax(x, dim=-1), atol=1e-6, rtol=1e-5, msg="seed=6: max in block 0")
+
+
 def test_softmax_kernel_matches_torch_fp16(impl):
     x = (torch.randn(3, 200, generator=torch.Generator().manual_seed(3)) * 5).half()
     got = impl(MODULE).softmax(x, block=64)
