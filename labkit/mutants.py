@@ -309,8 +309,6 @@ def main(argv=None) -> int:
         if args.sample:
             ms = sorted(random.Random(f"mutants-{s}").sample(ms, min(args.sample, len(ms))), key=lambda m: m.index)
         todo += ms
-    # Expensive stages first so the two job slots finish together.
-    todo.sort(key=lambda m: -PART_ONE.index(m.stage) if m.stage in PART_ONE else 0)
 
     t0 = time.perf_counter()
     results: dict[str, tuple[str, float, str]] = {}
