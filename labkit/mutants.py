@@ -314,7 +314,9 @@ def main(argv=None) -> int:
     results: dict[str, tuple[str, float, str]] = {}
     lock = threading.Lock()
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
-        pool_spaces = [Workspace(Path(tmp) / f"w{i}") for i in range(max(1, min(args.jobs, len(todo))))]
+        n_spaces = max(1, min(args.jobs, len(todo)))
+        with ThreadPoolExecutor(n_spaces) as pool:  # the servers' imports take a while: start them together
+            pool_spaces = list(pool.map(Workspace, [Path(tmp) / f"w{i}" for i in range(n_spaces)]))
         free = list(pool_spaces)
 
         def one(m: Mutant):
