@@ -91,6 +91,7 @@ def test_fork_shares_blocks_and_copies_the_shared_tail_on_write(impl):
     child = _seq(impl, 1, list(parent.token_ids))
     bm.fork(parent, child)
     assert child.block_table == parent.block_table, "a fork shares every block"
+    assert child.num_computed_tokens == parent.num_computed_tokens == 40, "the child's K/V are the parent's: computed"
     assert all(bm.blocks[b].ref_count == 2 for b in parent.block_table), "shared blocks have ref_count 2"
     check_invariants(bm, [parent, child], "after fork")
     child.token_ids.append(7)
@@ -133,6 +134,34 @@ def test_prefix_hash_is_chained_not_per_block(impl):
     assert bm.match_prefix(b.token_ids) == [], "block y at position 0 is not block y after x"
     c = _seq(impl, 2, x + y + [6])
     assert bm.match_prefix(c.token_ids) == a.block_table[:2], "the same two leading blocks must hit"
+
+
+def test_uncached_free_blocks_are_reused_before_cached_ones_whenever_freed(impl):
+    bm = impl("stage04_batching.block_manager").BlockManager(3, block_size=2)
+    a, b = _seq(impl, 0, [3, 4, 5, 6]), _seq(impl, 1, [9])  # a: two full blocks, cached; b: one partial block
+    for s in (a, b):
+        bm.allocate(s)
+        _computed(bm, s)
+    bm.free(a)
+    bm.free(b)  # b's uncached block is freed last, yet it is the one to reuse first
+    d = _seq(impl, 2, [7])
+    bm.allocate(d)
+    assert d.block_table == [2], f"b's uncached block 2 should be reused first, got {d.block_table}"
+    assert bm.match_prefix([3, 4, 5, 6, 8]) == [0, 1], "both of a's cached blocks must survive"
+
+
+def test_an_evicted_block_is_registered_afresh_for_its_new_content(impl):
+    bm = impl("stage04_batching.block_manager").BlockManager(3, block_size=2)
+    a = _seq(impl, 0, [3, 4, 5, 6, 7])
+    bm.allocate(a)
+    _computed(bm, a)
+    bm.free(a)
+    b = _seq(impl, 1, [8, 9, 10, 11, 12])  # takes all three blocks: a's two cached ones are evicted
+    bm.allocate(b)
+    _computed(bm, b)
+    check_invariants(bm, [b], "after reusing evicted blocks")
+    assert bm.match_prefix([3, 4, 5, 6, 7]) == [], "a's prefix was evicted"
+    assert bm.match_prefix([8, 9, 10, 11, 1]) == b.block_table[:2], "b's full blocks are cached under b's tokens"
 
 
 def test_can_append_counts_the_block_a_copy_on_write_needs(impl):
@@ -238,6 +267,7 @@ def test_invariants_hold_under_random_operations(impl, data):
         elif op == "free" and live:
             s = live.pop(data.draw(st.integers(0, len(live) - 1), label="which"))
             bm.free(s)
+            assert s.block_table == [], f"after step {step}: a freed sequence keeps a stale block table {s.block_table}"
         check_invariants(bm, live, f"after step {step} ({op})")
     for s in live:
         bm.free(s)

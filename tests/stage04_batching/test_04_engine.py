@@ -107,6 +107,35 @@ def test_scheduler_never_exceeds_its_budgets(impl, seed):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
+def test_preemption_recomputes_from_the_front_and_admits_nobody_that_step(impl, seed):
+    bm = impl("stage04_batching.block_manager").BlockManager(8, block_size=4, enable_prefix_caching=False)
+    sched = impl("stage04_batching.scheduler").Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=32)
+    sq = impl("stage04_batching.sequence")
+    for i, p in enumerate(random_prompts(seed, 5, 5, 9)):
+        sched.add(sq.Sequence(str(i), p, sq.SamplingParams(max_tokens=12)))
+    preemptions = 0
+    for step in range(400):
+        if not sched.has_unfinished():
+            break
+        was_running = {id(s) for s in sched.running}
+        out = sched.schedule()
+        if out.preempted:
+            preemptions += 1
+            assert all(id(s) in was_running for s in out.seqs), f"seed={seed} step {step}: admitted while preempting"
+            assert sched.waiting[0] is out.preempted[-1], f"seed={seed} step {step}: a victim goes to the queue's front"
+            for v in out.preempted:
+                assert v.num_computed_tokens == 0 and v.block_table == [], f"seed={seed}: {v} must recompute from 0"
+        for s, n in zip(out.seqs, out.num_tokens, strict=True):
+            s.num_computed_tokens += n
+            if s.num_computed_tokens == s.num_tokens:
+                s.token_ids.append(5)
+                if len(s.output_token_ids) >= 12:
+                    sched.finish(s, "length")
+    assert preemptions, f"seed={seed}: 8 blocks of 4 cannot hold 4 sequences of up to 21 tokens: expected preemption"
+    assert not sched.has_unfinished() and bm.num_used_blocks == 0, f"seed={seed}: stalled or leaked blocks"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_preempted_requests_finish_with_the_same_output(impl, seed):
     model = make_model(seed)
     prompts = random_prompts(seed, 6, 10, 40)

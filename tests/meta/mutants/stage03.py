@@ -446,6 +446,7 @@ MUTANTS = [
         find="act_max = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[name]]).abs().amax(0)",
         replace="act_max = inputs[name][0].reshape(-1, inputs[name][0].shape[-1]).abs().amax(0)",
         bug="smooth_model takes act_max from the first calibration batch only",
+        equivalent="each layer runs once on the whole calibration batch, so record_inputs holds one tensor: the first batch is all of them",
     ),
     dict(
         file="smoothquant.py",

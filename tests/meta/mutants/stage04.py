@@ -53,12 +53,14 @@ MUTANTS = [
         find="            if block_id is None or self.blocks[block_id].token_ids != chunk:\n                break",
         replace="            if block_id is None or self.blocks[block_id].token_ids != chunk:\n                continue",
         bug="match_prefix skips a missing block and keeps matching later ones",
+        equivalent="free() queues a chain tail-first, so a cached block is always evicted before its parent: a later block of a chain is never cached after a miss",
     ),
     dict(
         file="block_manager.py",
         find="        if not self.enable_prefix_caching:\n            return []\n        hits",
         replace="        hits",
         bug="match_prefix ignores enable_prefix_caching",
+        equivalent="with caching off cache_blocks registers nothing, so the lookup finds no hit either way",
     ),
     dict(
         file="block_manager.py",
