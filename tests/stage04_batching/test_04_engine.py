@@ -91,6 +91,7 @@ def test_scheduler_never_exceeds_its_budgets(impl, seed):
     while engine.has_unfinished_requests() and steps < 500:
         out = sched.schedule()
         assert sum(out.num_tokens) <= 16, f"seed={seed}: {sum(out.num_tokens)} tokens in one step, budget 16"
+        assert all(n > 0 for n in out.num_tokens), f"seed={seed}: a scheduled sequence must compute a token"
         assert len(sched.running) <= 3, f"seed={seed}: {len(sched.running)} running, max_num_seqs is 3"
         for s, n in zip(out.seqs, out.num_tokens, strict=True):
             assert len(s.block_table) * 16 >= s.num_computed_tokens + n, f"seed={seed}: {s} lacks blocks for {n}"
@@ -119,6 +120,7 @@ def test_preemption_recomputes_from_the_front_and_admits_nobody_that_step(impl, 
             break
         was_running = {id(s) for s in sched.running}
         out = sched.schedule()
+        assert sum(out.num_tokens) <= 32 and all(n > 0 for n in out.num_tokens), f"seed={seed}: {out.num_tokens}"
         if out.preempted:
             preemptions += 1
             assert all(id(s) in was_running for s in out.seqs), f"seed={seed} step {step}: admitted while preempting"

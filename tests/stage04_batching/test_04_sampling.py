@@ -39,6 +39,18 @@ def test_top_k_and_top_p_keep_exactly_their_support(impl, seed):
     assert sample(logits, _params(impl, temperature=0.0), gen) == order[0], f"seed={seed}: temperature 0 is argmax"
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_ties_and_top_k_of_one(impl, seed):
+    sample = impl("stage04_batching.engine").sample
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(30, generator=gen)
+    tied = sorted(torch.randperm(30, generator=gen)[:3].tolist())
+    logits[tied] = logits.max() + 1.0  # three ids share the maximum exactly
+    assert sample(logits, _params(impl, temperature=0.0), gen) == tied[0], f"seed={seed}: a tie goes to the lowest id"
+    draws = {sample(logits + torch.arange(30) * 1e-3, _params(impl, temperature=1.5, top_k=1), gen) for _ in range(50)}
+    assert draws == {tied[-1]}, f"seed={seed}: top_k=1 keeps only the single largest logit, drew {draws}"
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_seeded_request_samples_the_same_alone_or_batched(impl, seed):
     model = make_model(seed)

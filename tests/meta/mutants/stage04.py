@@ -286,6 +286,7 @@ MUTANTS = [
         find="mask = (key <= pos[:, :, None]) & (key < context_lens[:, None, None])",
         replace="mask = key <= pos[:, :, None]",
         bug="paged_attention reads padded query rows past the context (no length mask)",
+        equivalent="a real query sits at a position below its context length, so key <= position already keeps it inside; only padded query rows see further, and they are dropped",
     ),
     dict(
         file="paged_attention.py",
