@@ -61,6 +61,15 @@ def test_chunked_prefill_respects_the_token_budget_and_keeps_outputs(impl, seed)
     _check_same(outs, reference(model, prompts, max_tokens), seed, "chunked prefill")
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_chunk_ending_one_token_before_the_prompt_end_samples_nothing(impl, seed):
+    model = make_model(seed)
+    prompts = random_prompts(seed, 2, 17, 17) + random_prompts(seed + 5, 1, 33, 33)  # budget 16: 16 + 1, 16 + 16 + 1
+    engine = _engine(impl, model, num_blocks=32, max_num_seqs=1, max_num_batched_tokens=16)
+    outs = engine.generate(prompts, [_params(impl, max_tokens=6)] * 3)
+    _check_same(outs, reference(model, prompts, [6] * 3), seed, "a prefill chunk that stops one token short")
+
+
 @pytest.mark.parametrize("budget,prompt_len", [(16, 50), (7, 30)])
 def test_a_long_prompt_is_prefilled_in_budget_sized_chunks(impl, budget, prompt_len):
     bm = impl("stage04_batching.block_manager").BlockManager(32, block_size=16)

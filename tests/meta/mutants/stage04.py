@@ -379,6 +379,7 @@ MUTANTS = [
         find="        for src, dst in batch.blocks_to_copy:\n            self.cache.copy_block(src, dst)\n",
         replace="",
         bug="the engine ignores copy-on-write copies",
+        equivalent="this engine never forks (no n > 1 sampling) and a prefix hit never covers a sequence's last block, so no block a sequence writes is ever shared and the scheduler never asks for a copy",
     ),
     dict(
         file="engine.py",
