@@ -132,7 +132,10 @@ def test_preemption_recomputes_from_the_front_and_admits_nobody_that_step(impl, 
         assert sum(out.num_tokens) <= 32 and all(n > 0 for n in out.num_tokens), f"seed={seed}: {out.num_tokens}"
         if out.preempted:
             preemptions += 1
-            assert all(id(s) in was_running for s in out.seqs), f"seed={seed} step {step}: admitted while preempting"
+            gone = {id(v) for v in out.preempted}
+            assert all(id(s) in was_running and id(s) not in gone for s in out.seqs), (
+                f"seed={seed} step {step}: a step that preempts admits nobody, not even the victim"
+            )
             assert sched.waiting[0] is out.preempted[-1], f"seed={seed} step {step}: a victim goes to the queue's front"
             for v in out.preempted:
                 assert v.num_computed_tokens == 0 and v.block_table == [], f"seed={seed}: {v} must recompute from 0"

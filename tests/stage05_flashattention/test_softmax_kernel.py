@@ -36,8 +36,15 @@ def test_softmax_kernel_matches_torch_fp16(impl):
         (lambda: torch.randn(2, 3, 8), "3-D input"),
         (lambda: torch.randn(8, 4).t(), "non-contiguous input"),
         (lambda: torch.arange(12).reshape(3, 4), "integer dtype"),
+        (lambda: torch.randn(3, 4).bfloat16(), "bfloat16 (the CPU interpreter has no bf16 arithmetic)"),
     ],
 )
 def test_softmax_wrapper_rejects_bad_input(impl, bad, why):
     with pytest.raises(ValueError):
         impl(MODULE).softmax(bad(), block=16)
+
+
+@pytest.mark.parametrize("block", [0, 48, 96])
+def test_softmax_wrapper_rejects_a_block_that_is_not_a_power_of_two(impl, block):
+    with pytest.raises(ValueError, match="power of two"):
+        impl(MODULE).softmax(torch.randn(2, 100), block=block)
