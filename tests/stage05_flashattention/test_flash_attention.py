@@ -91,3 +91,9 @@ BAD_INPUTS = {
 def test_flash_attention_wrapper_rejects_bad_input(impl, case):
     with pytest.raises(ValueError):
         impl(MODULE).flash_attention(*BAD_INPUTS[case](), block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(48, 16), (16, 24), (8, 16)])
+def test_flash_attention_rejects_blocks_that_tl_dot_cannot_tile(impl, block_m, block_n):
+    with pytest.raises(ValueError, match="block"):
+        impl(MODULE).flash_attention(*qkv(0, 1, 2, 2, 16, 16), block_m=block_m, block_n=block_n)

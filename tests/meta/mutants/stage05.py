@@ -234,6 +234,7 @@ MUTANTS = [
         find='lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) / LOG2E, float("-inf"))',
         replace="lse = (m_i + tl.log2(l_safe)) / LOG2E",
         bug="_store_partial: an empty chunk writes lse = -inf + 0 (NaN in the merge)",
+        equivalent="an empty chunk keeps m = -inf, so (m + log2 1) / log2 e is already -inf and the merge gives it weight 0",
     ),
     dict(
         file="flash_decoding.py",
