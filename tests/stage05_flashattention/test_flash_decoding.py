@@ -93,6 +93,7 @@ BAD_DECODE = {
     "seq_lens past the cache": lambda q, k, v, n: (q, k, v, n + 100),
     "q with a time axis": lambda q, k, v, n: (q[:, :, None], k, v, n),
     "mixed dtypes": lambda q, k, v, n: (q.half(), k, v, n),
+    "an empty sequence": lambda q, k, v, n: (q, k, v, n * torch.tensor([1, 0, 1], dtype=torch.int32)),
 }
 
 
