@@ -335,12 +335,13 @@ def main(argv=None) -> int:
                     flush=True,
                 )
 
+        pool = ThreadPoolExecutor(len(pool_spaces))
         try:
-            with ThreadPoolExecutor(len(pool_spaces)) as pool:
-                list(pool.map(one, todo))
-        finally:
+            list(pool.map(one, todo))
+        finally:  # stop the servers first: a thread waiting on one then returns at once
             for ws in pool_spaces:
                 ws.close()
+            pool.shutdown(cancel_futures=True)
 
     print("\n" + "=" * 72)
     print(f"{'stage':<6} {'caught':>7} {'planted':>8} {'rate':>7} {'equivalent':>11}")
