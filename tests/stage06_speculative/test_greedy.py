@@ -139,6 +139,10 @@ def test_greedy_speculative_stops_right_after_eos(impl, pair, k):
     got, stats = impl("stage06_speculative.speculative").greedy_speculative(target, draft, prompt, 30, k=k, eos_id=eos)
     assert got == want, f"seed=4 k={k} eos={eos}: expected the greedy tokens up to and including the first EOS"
     assert stats.generated == len(want), f"seed=4 k={k}: stats.generated={stats.generated}, kept {len(want)} tokens"
+    # The target as its own draft accepts every draft: rounds of k + 1 tokens, so EOS lands mid-round.
+    got, stats = impl("stage06_speculative.speculative").greedy_speculative(target, target, prompt, 30, k=k, eos_id=eos)
+    assert got == want, f"seed=4 k={k} eos={eos}: tokens after an EOS in the middle of a round must be dropped"
+    assert stats.rejected == 0 and stats.accepted == stats.proposed > 0, f"seed=4 k={k}: nothing is rejected: {stats}"
 
 
 def test_speculative_sample_draws_only_from_its_own_seed(impl, pair):

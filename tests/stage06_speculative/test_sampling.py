@@ -109,9 +109,11 @@ def test_accept_reject_never_accepts_a_token_the_target_cannot_emit(impl):
 def test_propose_sampled_returns_the_warped_draft_distributions(impl, pair, top_p):
     _, hf_draft, _, draft = pair("gqa2-tied", 6)
     tokens = [5, 17, 3, 40, 8]
+    cache = draft.new_cache(1, 16)
     drafted, q = impl("stage06_speculative.speculative").propose_sampled(
-        draft, draft.new_cache(1, 16), tokens, 3, 0.8, top_p, torch.Generator().manual_seed(6)
+        draft, cache, tokens, 3, 0.8, top_p, torch.Generator().manual_seed(6)
     )
+    assert cache.length == len(tokens) + 2, f"the draft cache holds tokens + drafted[:-1], not {cache.length} tokens"
     with torch.no_grad():
         logits = hf_draft(torch.tensor([tokens + drafted[:-1]])).logits[0, len(tokens) - 1 :]
     torch.testing.assert_close(
