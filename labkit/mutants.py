@@ -271,6 +271,8 @@ class Workspace:
             return "survived", seconds, ""
         if rc == 1 or (rc == 2 and failed):
             return "caught", seconds, failed
+        if rc < 0:  # the test process died of a signal (a kernel writing out of bounds): a learner sees a crash
+            return "caught", seconds, f"crashed with signal {-rc}"
         return "error", seconds, f"pytest exit {rc}: " + " | ".join(log.read_text().strip().splitlines()[-3:])[-300:]
 
 

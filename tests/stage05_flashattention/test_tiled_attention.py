@@ -53,6 +53,7 @@ CASES = [  # seed, H, H_kv, T, block_q, block_k, causal: GQA ratios 1/2/4, T not
     (1, 4, 2, 45, 16, 32, False),
     (2, 4, 1, 70, 32, 16, True),
     (3, 4, 1, 33, 64, 64, False),
+    (4, 2, 1, 23, 5, 4, True),  # blocks that do not divide each other: a key tile starts on a query tile's last row
 ]
 
 
