@@ -89,6 +89,22 @@ def test_a_long_prompt_is_prefilled_in_budget_sized_chunks(impl, budget, prompt_
     )
 
 
+def test_more_running_sequences_than_tokens_in_the_budget_wait_their_turn(impl):
+    bm = impl("stage04_batching.block_manager").BlockManager(32, block_size=4)
+    sched = impl("stage04_batching.scheduler").Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=4)
+    sq = impl("stage04_batching.sequence")
+    for i in range(6):
+        sched.add(sq.Sequence(str(i), [3 + i], sq.SamplingParams(max_tokens=8)))
+    for step in range(40):
+        out = sched.schedule()
+        assert sum(out.num_tokens) <= 4 and all(n > 0 for n in out.num_tokens), (
+            f"step {step}: {out.num_tokens}: once the budget is spent, the other running sequences wait"
+        )
+        for s, n in zip(out.seqs, out.num_tokens, strict=True):
+            s.num_computed_tokens += n
+            s.token_ids.append(5)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_scheduler_never_exceeds_its_budgets(impl, seed):
     model = make_model(seed)
