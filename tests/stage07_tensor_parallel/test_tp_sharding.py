@@ -164,3 +164,19 @@ def test_tp_llama_at_world_size_one_is_the_model(impl, name):
         torch.testing.assert_close(model(ids), full(ids), atol=1e-5, rtol=1e-5, msg=f"{name}: logits differ")
     prompt = ids[0, :5].tolist()
     assert model.generate(prompt, 8) == full.generate(prompt, 8), f"{name}: cached greedy decoding differs"
+
+
+def test_shard_is_a_view_not_a_copy(impl):
+    t = torch.arange(24.0).view(4, 6)
+    got = impl("stage07_tensor_parallel.layers").shard(t, 1, 1, 3)
+    assert got.untyped_storage().data_ptr() == t.untyped_storage().data_ptr(), "shard returns a view of t (narrow)"
+
+
+def test_shard_state_dict_adds_the_tied_lm_head_a_checkpoint_leaves_out(impl):
+    tp = impl("stage07_tensor_parallel.tp_model")
+    c = Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)  # fmt: skip
+    full = init_weights(Llama(c), seed=1).state_dict()
+    del full["lm_head.weight"]  # save_pretrained drops a tied lm_head
+    got = tp.shard_state_dict(full, 1, 2, c)
+    assert torch.equal(got["lm_head.weight"], full["model.embed_tokens.weight"][48:]), "rank 1's lm_head rows"
