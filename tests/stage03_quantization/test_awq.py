@@ -41,7 +41,9 @@ def test_awq_scale_search_beats_rtn_on_salient_channels(impl, seed, bits):
     s, alpha = impl(MOD).search_scale(linear, x, [linear], bits=bits, group_size=32)
     assert torch.equal(linear.weight, W), f"seed={seed}: search_scale must leave the weights as they were"
     assert s.shape == (128,) and 0 < alpha < 1, f"seed={seed}: expected s (128,) and a non-zero α, got α={alpha}"
-    assert abs(alpha * 20 - round(alpha * 20)) < 1e-9, f"seed={seed}: α comes from the grid 0, 1/20, ..., 19/20, got {alpha}"
+    assert abs(alpha * 20 - round(alpha * 20)) < 1e-9, (
+        f"seed={seed}: α comes from the grid 0, 1/20, ..., 19/20, got {alpha}"
+    )
     y = x @ W.T
     err_rtn = (x @ rtn(W, bits, 32).T - y).pow(2).mean().item()
     err_awq = ((x / s) @ rtn(W * s, bits, 32).T - y).pow(2).mean().item()
