@@ -249,6 +249,7 @@ MUTANTS = [
         find="        while i < len(self.running) and budget > 0:",
         replace="        while i < len(self.running):",
         bug="running sequences are scheduled past the token budget",
+        equivalent="a sequence is admitted only while budget is left after everything running before it, and each takes at least one token, so the running list never outgrows the budget and the loop ends before it runs dry (argued, not proven; test_more_running_sequences_than_tokens_in_the_budget_wait_their_turn checks it)",
     ),
     # paged_attention.py
     dict(
