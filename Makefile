@@ -6,7 +6,7 @@ IMPL ?= solution
 export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test grade lab bench serve check lint format llamacpp student-edition
+.PHONY: setup test grade lab bench serve check lint format llamacpp student-edition mutants
 
 setup: .venv/.installed
 
@@ -24,6 +24,10 @@ test: setup
 ## make grade [STAGE=02]: grade your own stage code (STAGE=02b: a stage's second part)
 grade: setup
 	$(PY) -m labkit.grade $(if $(STAGE),--stage $(STAGE))
+
+## make mutants [STAGE=04]: plant each catalogued learner bug in a copy of the solutions; count what the tests catch
+mutants: setup
+	nice -n 10 $(PY) -m labkit.mutants $(if $(STAGE),--stage $(STAGE))
 
 ## make lab: Jupyter on the notebooks
 lab: setup

@@ -9,11 +9,14 @@ from labkit.testing import hf_greedy, random_gpt2, random_tokens
 
 MODULE = "stage01_forward_numpy.gpt2_numpy"
 SEEDS = [0, 1, 2]
-# Odd head counts, tied and untied output embeddings, a non-default MLP width, vocabularies of odd size.
+# Odd head counts, tied and untied output embeddings, a non-default MLP width, vocabularies of odd size,
+# and LayerNorm epsilons other than the default 1e-5 (large enough to show in the logits).
 GPT2_CONFIGS = {
     "3heads-tied": dict(n_embd=48, n_head=3, n_layer=2, vocab_size=101),
-    "5heads-untied": dict(n_embd=60, n_head=5, n_layer=3, vocab_size=97, tie_word_embeddings=False),
-    "7heads-ninner": dict(n_embd=56, n_head=7, n_layer=1, n_inner=100, vocab_size=67),
+    "5heads-untied": dict(
+        n_embd=60, n_head=5, n_layer=3, vocab_size=97, tie_word_embeddings=False, layer_norm_epsilon=0.02
+    ),
+    "7heads-ninner": dict(n_embd=56, n_head=7, n_layer=1, n_inner=100, vocab_size=67, layer_norm_epsilon=0.05),
 }
 LENGTHS = {"3heads-tied": 37, "5heads-untied": 61, "7heads-ninner": 13}
 BLOCK_KEYS = [
@@ -24,7 +27,18 @@ BLOCK_KEYS = [
 
 def gpt2(name: str, seed: int = 0):
     # No BOS/EOS ids: hf_greedy would otherwise forbid EOS, which plain argmax decoding does not.
-    return random_gpt2(seed, bos_token_id=None, eos_token_id=None, **GPT2_CONFIGS[name])
+    return trained_norms(random_gpt2(seed, bos_token_id=None, eos_token_id=None, **GPT2_CONFIGS[name]), seed)
+
+
+def trained_norms(hf, seed: int):
+    """Random init leaves every LayerNorm at weight 1, bias 0, which hides a norm applied with the
+    wrong weights; a trained checkpoint's are anything but. Draw them around 1 and 0."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if ".ln_" in name or "ln_f" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.3 * torch.randn(p.shape, generator=g))
+    return hf
 
 
 def expected_params(hf) -> dict:
@@ -148,6 +162,15 @@ def test_attention_weights_are_a_causal_softmax(impl, seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_attention_weights_mask_exactly_whatever_the_score_scale(impl, seed):
+    rng = np.random.default_rng(seed)
+    q, k = (300 * rng.normal(size=(2, 2, 6, 8))).astype(np.float32)  # scores of order ±1e5
+    w = impl(MODULE).attention_weights(q, k)
+    assert np.isfinite(w).all(), f"seed={seed}: rows must stay finite at any score scale"
+    np.testing.assert_allclose(w, causal_reference(q, k), atol=1e-6, err_msg=f"seed={seed}: mask with -inf")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_attention_matches_torch_sdpa(impl, seed):
     rng = np.random.default_rng(seed)
     q, k, v = rng.normal(size=(3, 5, 19, 16)).astype(np.float32)
@@ -196,11 +219,11 @@ def test_mlp_matches_hf_gpt2_mlp(impl, seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_transformer_block_matches_hf_gpt2_block(impl, seed):
-    hf = gpt2("3heads-tied", seed)
+    hf = gpt2("7heads-ninner" if seed == 2 else "3heads-tied", seed)
     ids = random_tokens(seed, 29, hf.config.vocab_size)
-    x, expected = capture(hf.transformer.h[1], lambda: hf(ids[None]))
-    block = expected_params(hf)["blocks"][1]
-    got = impl(MODULE).transformer_block(x, block, n_head=3, eps=hf.config.layer_norm_epsilon)
+    x, expected = capture(hf.transformer.h[-1], lambda: hf(ids[None]))
+    block = expected_params(hf)["blocks"][-1]
+    got = impl(MODULE).transformer_block(x, block, n_head=hf.config.n_head, eps=hf.config.layer_norm_epsilon)
     np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=f"seed={seed}")
 
 

@@ -28,6 +28,16 @@ def test_greedy_is_the_argmax(impl, seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_greedy_breaks_exact_ties_toward_the_lowest_id(impl, seed):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(40,)).astype(np.float32)
+    tied = np.sort(rng.choice(40, size=3, replace=False))
+    logits[tied] = logits.max() + 1.0  # three ids share the maximum exactly
+    got = impl(MODULE).sample_next(logits, temperature=0.0)
+    assert got == tied[0], f"seed={seed}: ids {tied.tolist()} tie for the max; greedy takes the lowest, got {got}"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("temperature", [0.7, 1.5])
 def test_temperature_sampling_follows_the_softmax(impl, seed, temperature):
     logits = np.random.default_rng(seed).normal(0, 1.5, size=(8,)).astype(np.float32)

@@ -17,9 +17,33 @@ LINEARS += ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 NORMS = ["input_layernorm.weight", "post_attention_layernorm.weight"]
 
 
+# What real checkpoints vary and random init does not: RoPE θ (Llama 3: 500 000), the RMSNorm epsilon,
+# and norm weights (random init leaves them at 1, which hides a norm applied with the wrong weight).
+CHECKPOINT = {
+    "mha-untied": dict(rope_theta=500_000.0, rms_norm_eps=1e-6),
+    "gqa2-tied": dict(rope_theta=10_000.0, rms_norm_eps=0.02),
+    "gqa4-3layers": dict(rope_theta=1_000.0, rms_norm_eps=1e-5),
+    "mqa-odd": dict(rope_theta=250_000.0, rms_norm_eps=0.05),
+}
+
+
 def llama(name: str, seed: int = 0):
     # No BOS/EOS ids: hf_greedy would otherwise forbid EOS, which plain argmax decoding does not.
-    return random_llama(seed, bos_token_id=None, eos_token_id=None, **LLAMA_CONFIGS[name])
+    theta, eps = CHECKPOINT[name]["rope_theta"], CHECKPOINT[name]["rms_norm_eps"]
+    hf = random_llama(
+        seed,
+        bos_token_id=None,
+        eos_token_id=None,
+        rms_norm_eps=eps,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        **LLAMA_CONFIGS[name],
+    )
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if "norm" in pname:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+    return hf
 
 
 def expected_params(hf) -> dict:

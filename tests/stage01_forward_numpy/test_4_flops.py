@@ -35,6 +35,21 @@ def test_param_count_matches_the_hf_model(impl, name):
     assert got == expected, f"{name}: param_count = {got:,}, the HF model has {expected:,} parameters"
 
 
+# The models whose tying is their family's default (GPT-2 ties, Llama does not).
+DEFAULT_TYING = [n for n in MODELS if n not in ("gpt2-5heads-untied", "llama-gqa2-tied")]
+
+
+@pytest.mark.parametrize("name", DEFAULT_TYING)
+def test_param_count_reads_the_family_default_when_the_config_omits_tying(impl, name):
+    """A config.json may leave tie_word_embeddings out: GPT-2 then ties (HF's default), Llama does not."""
+    hf = MODELS[name]()
+    config = hf.config.to_dict()
+    assert config.pop("tie_word_embeddings") == (config["model_type"] == "gpt2"), f"{name} is not default-tied"
+    expected = sum(p.numel() for p in hf.parameters())
+    got = impl(MODULE).param_count(config)
+    assert got == expected, f"{name} without tie_word_embeddings: param_count = {got:,}, HF has {expected:,}"
+
+
 def test_param_count_of_gpt2_small_is_124m(impl):
     got = impl(MODULE).param_count(GPT2Config().to_dict())
     assert got == 124_439_808, f"GPT-2 small (124M) has 124,439,808 parameters, param_count says {got:,}"

@@ -76,8 +76,13 @@ def test_attention_row_without_visible_keys_is_finite(impl):
     torch.testing.assert_close(got[:, :, 1:], expected, atol=ATOL, rtol=0)
 
 
+# Checkpoints do not all use RoPE's default θ = 10 000 (Llama 3: 500 000); vary it with the seed.
+ROPE_THETAS = (500_000.0, 1_000.0, 10_000.0)
+
+
 def hf_and_ours(name: str, seed: int):
-    hf = random_llama(seed, **LLAMA_CONFIGS[name])
+    theta = ROPE_THETAS[seed % len(ROPE_THETAS)]
+    hf = random_llama(seed, rope_parameters={"rope_type": "default", "rope_theta": theta}, **LLAMA_CONFIGS[name])
     return hf, labkit_from_hf(hf)
 
 

@@ -48,6 +48,15 @@ def test_greedy_kv_cache_generation_matches_hf_generate(impl, name, monkeypatch)
     assert got == expected, f"config={name} seed=0: greedy tokens differ from HF generate"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kv_cache_generation_runs_in_the_models_dtype(impl, dtype):
+    hf, model = models("gqa2-tied", 3)
+    hf, model = hf.to(dtype), model.to(dtype)
+    p = prompt(3, 7, hf.config.vocab_size)
+    got = impl(GENERATE).generate_kv_cache(model, p, 8)
+    assert got == hf_generate(hf, p, 8), f"dtype={dtype} seed=3: the cache must hold the model's dtype"
+
+
 @pytest.mark.parametrize("name", ["mha-untied", "mqa-odd"])
 def test_greedy_no_cache_generation_matches_hf_generate(impl, name):
     hf, model = models(name, 1)

@@ -41,6 +41,29 @@ def test_int8_layer_cache_stores_codes_and_returns_dequantized_prefix(impl, seed
     assert ((values - 2 * full).abs() <= scale + 1e-6).all(), f"seed={seed}: values within half a step"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int8_cache_hands_back_the_dtype_it_was_built_for(impl, dtype):
+    mod = impl(INT8)
+    x = torch.randn(1, 2, 3, 8, generator=torch.Generator().manual_seed(4))
+    q, scale = mod.quantize_int8(x)
+    assert mod.dequantize_int8(q, scale, dtype).dtype == dtype, f"dequantize_int8(..., {dtype}) returns {dtype}"
+    cache = mod.Int8LayerCache(1, 2, 6, 8, dtype=dtype)
+    keys, values = cache.append(x.to(dtype), x.to(dtype))
+    assert keys.dtype == dtype and values.dtype == dtype, f"a {dtype} cache feeds {dtype} attention"
+    torch.testing.assert_close(keys.float(), x, atol=float(scale.max()), rtol=0.01, msg=f"dtype={dtype} seed=4")
+
+
+def test_int8_append_past_max_seq_raises_and_keeps_the_cache(impl):
+    cache = impl(INT8).Int8LayerCache(1, 2, 5, 8)
+    k = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(5))
+    cache.append(k, k)
+    with pytest.raises(ValueError, match="max_seq"):
+        cache.append(k[:, :, :2], k[:, :, :2])
+    assert cache.length == 4, "a failed append must leave the cache as it was"
+    keys, _ = cache.append(k[:, :, :1], k[:, :, :1])
+    assert keys.shape[2] == 5, "filling the cache exactly to max_seq must work"
+
+
 def test_int8_cache_saving_is_the_bytes_per_element_ratio(impl):
     from labkit.model import Config
 

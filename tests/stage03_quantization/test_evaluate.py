@@ -74,3 +74,12 @@ def test_quality_gate_verdict(impl, ppl, agreement, passes):
     assert len(verdict.reasons) == 2, f"one reason per check (perplexity, top-1), got {verdict.reasons}"
     blocked = [r for r in verdict.reasons if r.startswith("BLOCK")]
     assert len(blocked) == (ppl > 10.1) + (agreement < 0.95), f"each failed check says BLOCK: {verdict.reasons}"
+
+
+def test_quality_gate_bounds_are_inclusive(impl):
+    """'At most' the bound passes: a candidate exactly on both bounds ships (values exact in binary)."""
+    verdict = impl(MOD).quality_gate(
+        report(impl, 4.0, 1.0), report(impl, 5.0, 0.75), max_ppl_increase_pct=25.0, max_top1_disagreement=0.25
+    )
+    assert verdict.passed, f"perplexity +25 % against a 25 % bound and 25 % disagreement against 0.25 pass: {verdict}"
+    assert all(r.startswith("ok: ") for r in verdict.reasons), f"both checks are ok: {verdict.reasons}"

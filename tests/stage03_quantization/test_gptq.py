@@ -1,5 +1,7 @@
 """GPTQ: the Hessian, equality with a slow column-by-column reference, and beating round-to-nearest."""
 
+import copy
+
 import pytest
 import torch
 
@@ -82,6 +84,31 @@ def test_gptq_equals_slow_column_by_column_reference(impl, seed, act_order):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("percdamp", [0.1, 0.5])
+def test_gptq_uses_the_damping_it_is_given(impl, percdamp):
+    g = torch.Generator().manual_seed(7)
+    W = torch.randn(5, 16, generator=g, dtype=torch.float64)
+    x = correlated_inputs(7, 60, 16, torch.float64)
+    H = 2 / len(x) * x.T @ x
+    expected = slow_gptq(W, H, bits=3, group_size=8, percdamp=percdamp)
+    codes, scales, zeros = impl(MOD).gptq_quantize(W, H, bits=3, group_size=8, block_size=8, percdamp=percdamp)
+    torch.testing.assert_close(
+        dequant(codes, scales, zeros), expected, atol=1e-9, rtol=1e-9, msg=f"percdamp={percdamp}"
+    )
+
+
+def test_gptq_sets_the_weights_of_a_dead_input_to_zero(impl):
+    """An input that is always 0 has H_ii = 0: its weights never matter, and GPTQ writes 0 for them."""
+    g = torch.Generator().manual_seed(8)
+    W = torch.randn(6, 16, generator=g, dtype=torch.float64) + 0.5
+    x = correlated_inputs(8, 80, 16, torch.float64)
+    x[:, [3, 11]] = 0.0
+    codes, scales, zeros = impl(MOD).gptq_quantize(W, 2 / len(x) * x.T @ x, bits=4, group_size=8, block_size=8)
+    W_hat = dequant(codes, scales, zeros)
+    assert torch.isfinite(W_hat).all(), "a dead input must not make H singular"
+    assert (W_hat[:, [3, 11]] == 0).all(), f"dead inputs 3 and 11 should get weight 0, got {W_hat[:, [3, 11]]}"
+
+
 def rtn(W: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     out = torch.empty_like(W)
     for s in range(0, W.shape[1], group_size):
@@ -104,3 +131,44 @@ def test_gptq_output_error_below_round_to_nearest(impl, seed, bits):
     assert err_gptq < 0.5 * err_rtn, (
         f"seed={seed}, bits={bits}: ||WX - ŴX||² should be under half of RTN's: GPTQ {err_gptq:.4g}, RTN {err_rtn:.4g}"
     )
+
+
+@torch.no_grad()
+def layer_by_layer_gptq(gptq, model, calib, bits: int, group_size: int, act_order: bool) -> dict[str, torch.Tensor]:
+    """GPTQ as the paper runs it on a model, written out: each decoder layer's Hessians come from
+    the inputs it receives after every layer before it was quantized. Each linear is quantized
+    with the module's own (separately tested) Hessian and gptq_quantize; returns {name: W_hat}
+    and quantizes `model` in place (its nn.Linear weights become W_hat)."""
+    from labkit.calibration import block_inputs, record_inputs
+
+    x, cos, sin, mask = block_inputs(model, calib)
+    weights = {}
+    for i, layer in enumerate(model.model.layers):
+        linears = {name: m for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+        with record_inputs(linears) as inputs:
+            layer(x, cos, sin, mask, None, i)
+        for name, linear in linears.items():
+            h = gptq.Hessian(linear.in_features)
+            for batch in inputs[name]:
+                h.add_batch(batch)
+            codes, scales, zeros = gptq.gptq_quantize(linear.weight.float(), h.H, bits, group_size, act_order=act_order)
+            linear.weight.copy_(dequant(codes, scales.half(), zeros))  # QuantLinear keeps float16 scales
+            weights[f"model.layers.{i}.{name}"] = linear.weight.clone()
+        x = layer(x, cos, sin, mask, None, i)
+    return weights
+
+
+@pytest.mark.parametrize("seed,act_order", [(0, False), (1, True)])
+def test_gptq_on_a_model_is_gptq_layer_by_layer_on_propagated_inputs(impl, make_llama, seed, act_order):
+    from labkit.testing import random_tokens
+
+    model = make_llama(seed, num_hidden_layers=3, num_key_value_heads=2)
+    calib = random_tokens(seed, 40, model.config.vocab_size, batch=3)
+    expected = layer_by_layer_gptq(impl(MOD), copy.deepcopy(model), calib, 4, 32, act_order)
+    impl(MOD).gptq_quantize_model(model, calib, bits=4, group_size=32, act_order=act_order)
+    for name, W_hat in expected.items():
+        torch.testing.assert_close(
+            model.get_submodule(name).dequantize_weight(), W_hat, atol=1e-6, rtol=0,
+            msg=f"seed={seed} act_order={act_order} {name}: differs from GPTQ applied layer by layer with the "
+            "inputs propagated through the already-quantized layers",
+        )  # fmt: skip

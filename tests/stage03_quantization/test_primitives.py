@@ -52,6 +52,23 @@ def test_int8_per_channel_has_one_scale_per_row(impl, seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_int8_all_zero_and_one_signed_rows(impl, seed):
+    x = heavy_tailed(seed, (6, 40))
+    x[0] = 0.0  # a dead output channel
+    x[1] = x[1].abs()  # all positive
+    x[2] = -x[2].abs()  # all negative
+    codes, scale = impl(MOD).quantize_int8(x, per_row=True)
+    assert (scale > 0).all() and torch.isfinite(scale).all(), (
+        f"seed={seed}: every row, even all-zero, needs a scale > 0"
+    )
+    assert (codes[0] == 0).all(), f"seed={seed}: an all-zero row quantizes to code 0"
+    deq = impl(MOD).dequantize_int8(codes, scale)
+    assert torch.equal(deq[0], x[0]), f"seed={seed}: an all-zero row comes back exactly"
+    assert codes[1].max() == 127 and codes[2].min() == -127, f"seed={seed}: a one-signed row still uses ±127"
+    assert ((x - deq).abs() <= scale / 2 * (1 + 1e-5)).all(), f"seed={seed}: error above half the row's scale"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_groupwise_error_within_half_scale(impl, seed, bits, group_size):
@@ -70,6 +87,23 @@ def test_groupwise_error_within_half_scale(impl, seed, bits, group_size):
     err = (w - deq).abs()
     assert (err <= half * (1 + 1e-4) + 1e-7).all(), f"seed={seed}: error {(err - half).max():.3g} above scale/2"
     assert (deq[:, ::17] == 0).all(), f"seed={seed}: a zero weight must dequantize to exactly 0"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("bits", [3, 4])
+def test_groupwise_all_positive_and_all_negative_groups_keep_zero_on_the_grid(impl, seed, bits):
+    maxq = 2**bits - 1
+    w = heavy_tailed(seed, (8, 96)).abs() + 0.01  # every group strictly positive ...
+    w[1::2] *= -1  # ... or, on odd rows, strictly negative
+    codes, scales, zeros = impl(MOD).quantize_groupwise(w, bits, 32)
+    groups = w.view(8, 3, 32)
+    span = groups.amax(-1).clamp(min=0) - groups.amin(-1).clamp(max=0)  # the range widened to contain 0
+    torch.testing.assert_close(scales.float(), span / maxq, msg=f"seed={seed}: one-signed groups still span 0")
+    assert (zeros[0::2] == 0).all() and (zeros[1::2] == maxq).all(), (
+        f"seed={seed}: 0 sits at code 0 in an all-positive group and at code {maxq} in an all-negative one"
+    )
+    err = (w - impl(MOD).dequantize_groupwise(codes, scales, zeros)).abs()
+    assert (err <= (scales.float() / 2).repeat_interleave(32, 1) * (1 + 1e-4)).all(), f"seed={seed}: error > scale/2"
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -117,6 +151,19 @@ def test_nf4_picks_the_nearest_code_per_block(impl, seed):
     got = impl(MOD).dequantize_nf4(codes, absmax)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=0, msg=f"seed={seed}: not the nearest NF4 level")
     assert codes.dtype == torch.uint8 and int(codes.max()) <= 15, f"seed={seed}: NF4 codes are 4-bit uint8"
+
+
+def test_nf4_exact_midpoints_round_down_as_bitsandbytes_does(impl):
+    """bitsandbytes' dQuantizeNF4 compares with `x > midpoint`, so a value exactly between two levels
+    takes the lower one. Each block holds 1.0 (its absmax) and the 15 midpoints."""
+    table = impl(MOD).nf4_codebook()  # equal to NF4_PUBLISHED (tested above), bit for bit what it compares with
+    mids = (table[1:] + table[:-1]) / 2
+    w = torch.cat([torch.ones(1), mids]).repeat(4)  # 4 blocks of 16
+    codes, absmax = impl(MOD).quantize_nf4(w, block_size=16)
+    assert torch.equal(absmax, torch.ones(4)), "each block's absmax is 1"
+    assert codes.reshape(4, 16)[:, 1:].tolist() == [list(range(15))] * 4, (
+        "midpoint i lies between levels i, i + 1: take i"
+    )
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -80,3 +80,16 @@ def test_quantize_model_swaps_every_linear_but_lm_head(impl, make_llama, name):
     assert torch.equal(model.model.embed_tokens.weight, embed), f"{name}: the embedding must stay float"
     rel = ((got - expected).norm() / expected.norm()).item()
     assert 0 < rel < 0.02, f"{name}: INT8 logits should be close to float but not identical, rel. error {rel:.3g}"
+
+
+@pytest.mark.parametrize("bits,group_size", [(3, 16), (8, 32)])
+def test_quantize_model_passes_bits_and_group_size_on(impl, make_llama, bits, group_size):
+    mod = impl(MOD)
+    model = mod.quantize_model(make_llama(2), "rtn", bits=bits, group_size=group_size)
+    layers = [m for m in model.modules() if isinstance(m, mod.QuantLinear)]
+    assert layers, "quantize_model swapped nothing"
+    for m in layers:
+        assert m.bits == bits, f"bits={bits} asked, a layer holds {m.bits}-bit codes"
+        assert m.scales.shape == (m.out_features, m.in_features // group_size), (
+            f"group_size={group_size}: expected one scale per {group_size} inputs, got {tuple(m.scales.shape)}"
+        )

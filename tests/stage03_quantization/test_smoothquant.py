@@ -103,3 +103,39 @@ def test_smoothing_cuts_w8a8_error_with_outlier_channels(impl, seed):
     assert err(smoothed) < 0.2 * err(naive), (
         f"seed={seed}: smoothed W8A8 error {err(smoothed):.4g} should be far below naive {err(naive):.4g}"
     )
+
+
+@torch.no_grad()
+def layer_by_layer_smoothing(sq, model, calib, alpha: float):
+    """SmoothQuant on a model written out: per layer, the running max |x| per channel of the input
+    of q/k/v and of gate/up, over every calibration token, turned into s by the module's (separately
+    tested) smoothing_scales and folded by its fold_scale; the next layer sees the smoothed layer."""
+    from labkit.calibration import block_inputs, record_inputs
+
+    x, cos, sin, mask = block_inputs(model, calib)
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        groups = [
+            (layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj]),
+            (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj]),
+        ]
+        with record_inputs({j: linears[0] for j, (_, linears) in enumerate(groups)}) as inputs:
+            layer(x, cos, sin, mask, None, i)
+        for j, (norm, linears) in enumerate(groups):
+            act_max = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[j]]).abs().amax(0)
+            sq.fold_scale(norm, linears, sq.smoothing_scales(act_max, [lin.weight for lin in linears], alpha))
+        x = layer(x, cos, sin, mask, None, i)
+    return model
+
+
+@pytest.mark.parametrize("name,alpha", [("gqa2-tied", 0.8), ("gqa4-3layers", 0.35)])
+def test_smooth_model_folds_the_smoothing_scales_layer_by_layer(impl, make_llama, name, alpha):
+    model = make_llama(9, **LLAMA_CONFIGS[name])
+    calib = random_tokens(9, 21, model.config.vocab_size, batch=3)
+    expected = layer_by_layer_smoothing(impl(MOD), copy.deepcopy(model), calib, alpha)
+    impl(MOD).smooth_model(model, calib, alpha=alpha)
+    for (key, got), want in zip(model.state_dict().items(), expected.state_dict().values(), strict=True):
+        torch.testing.assert_close(
+            got, want, atol=1e-6, rtol=1e-5,
+            msg=f"{name} alpha={alpha} {key}: smooth_model differs from SmoothQuant applied layer by layer",
+        )  # fmt: skip

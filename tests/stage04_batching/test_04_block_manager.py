@@ -31,8 +31,16 @@ def check_invariants(bm, live, msg):
         )
     for h, block_id in bm.cached.items():
         assert bm.blocks[block_id].block_hash == h, f"{msg}: stale hash {h} maps to block {block_id}, reused since"
+    bs = bm.block_size
     for s in live:
-        assert len(s.block_table) >= -(-s.num_tokens // bm.block_size), f"{msg}: {s} has too few blocks"
+        assert len(s.block_table) == -(-s.num_tokens // bs), f"{msg}: {s} must hold ceil(tokens / block_size) blocks"
+        for i in range(s.num_computed_tokens // bs):  # every computed full block is registered, with its tokens
+            block = bm.blocks[s.block_table[i]]
+            assert block.token_ids == tuple(s.token_ids[i * bs : (i + 1) * bs]), (
+                f"{msg}: block {block.block_id} at position {i} of {s} holds the tokens {block.token_ids}, "
+                "not the sequence's: a reused block kept stale content, or a prefix hit skipped a block"
+            )
+            assert block.block_hash is not None, f"{msg}: computed full block {block.block_id} of {s} has no hash"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -83,6 +91,7 @@ def test_fork_shares_blocks_and_copies_the_shared_tail_on_write(impl):
     child = _seq(impl, 1, list(parent.token_ids))
     bm.fork(parent, child)
     assert child.block_table == parent.block_table, "a fork shares every block"
+    assert child.num_computed_tokens == parent.num_computed_tokens == 40, "the child's K/V are the parent's: computed"
     assert all(bm.blocks[b].ref_count == 2 for b in parent.block_table), "shared blocks have ref_count 2"
     check_invariants(bm, [parent, child], "after fork")
     child.token_ids.append(7)
@@ -125,6 +134,62 @@ def test_prefix_hash_is_chained_not_per_block(impl):
     assert bm.match_prefix(b.token_ids) == [], "block y at position 0 is not block y after x"
     c = _seq(impl, 2, x + y + [6])
     assert bm.match_prefix(c.token_ids) == a.block_table[:2], "the same two leading blocks must hit"
+
+
+def test_uncached_free_blocks_are_reused_before_cached_ones_whenever_freed(impl):
+    bm = impl("stage04_batching.block_manager").BlockManager(3, block_size=2)
+    a, b = _seq(impl, 0, [3, 4, 5, 6]), _seq(impl, 1, [9])  # a: two full blocks, cached; b: one partial block
+    for s in (a, b):
+        bm.allocate(s)
+        _computed(bm, s)
+    bm.free(a)
+    bm.free(b)  # b's uncached block is freed last, yet it is the one to reuse first
+    d = _seq(impl, 2, [7])
+    bm.allocate(d)
+    assert d.block_table == [2], f"b's uncached block 2 should be reused first, got {d.block_table}"
+    assert bm.match_prefix([3, 4, 5, 6, 8]) == [0, 1], "both of a's cached blocks must survive"
+
+
+def test_an_evicted_block_is_registered_afresh_for_its_new_content(impl):
+    bm = impl("stage04_batching.block_manager").BlockManager(3, block_size=2)
+    a = _seq(impl, 0, [3, 4, 5, 6, 7])
+    bm.allocate(a)
+    _computed(bm, a)
+    bm.free(a)
+    b = _seq(impl, 1, [8, 9, 10, 11, 12])  # takes all three blocks: a's two cached ones are evicted
+    bm.allocate(b)
+    _computed(bm, b)
+    check_invariants(bm, [b], "after reusing evicted blocks")
+    assert bm.match_prefix([3, 4, 5, 6, 7]) == [], "a's prefix was evicted"
+    assert bm.match_prefix([8, 9, 10, 11, 1]) == b.block_table[:2], "b's full blocks are cached under b's tokens"
+
+
+def test_can_append_counts_the_block_a_copy_on_write_needs(impl):
+    bm = impl("stage04_batching.block_manager").BlockManager(2, block_size=4)
+    parent = _seq(impl, 0, [3, 4, 5, 6, 7])  # 2 blocks: the whole pool
+    bm.allocate(parent)
+    child = _seq(impl, 1, list(parent.token_ids))
+    bm.fork(parent, child)
+    child.token_ids.append(8)  # still 2 blocks, but the last one is shared: writing it needs a copy
+    assert not bm.can_append(child), "copy-on-write of the shared last block needs a free block; none is left"
+    bm.free(parent)
+    assert bm.can_append(child), "once the parent is gone the child owns its last block alone"
+    assert bm.append_slot(child) is None, "an unshared last block is written in place"
+
+
+def test_a_hash_collision_never_serves_another_prefix(impl, monkeypatch):
+    """Hashes can collide; the block's own tokens are what make a hit safe."""
+    mod = impl("stage04_batching.block_manager")
+    monkeypatch.setattr(mod, "hash_block", lambda parent, token_ids: 7)  # every block collides
+    bm = mod.BlockManager(8, block_size=4)
+    a = _seq(impl, 0, [3, 4, 5, 6, 7])
+    bm.allocate(a)
+    _computed(bm, a)
+    b = _seq(impl, 1, [9, 9, 9, 9, 8])
+    assert bm.match_prefix(b.token_ids) == [], "a block whose tokens differ is not a hit, whatever its hash"
+    bm.allocate(b)
+    assert b.num_computed_tokens == 0 and b.block_table[0] != a.block_table[0], "b must not read a's K/V"
+    assert bm.match_prefix([3, 4, 5, 6, 1]) == a.block_table[:1], "equal tokens under the same hash do hit"
 
 
 def test_full_prefix_hit_leaves_the_last_token_to_compute(impl):
@@ -202,6 +267,7 @@ def test_invariants_hold_under_random_operations(impl, data):
         elif op == "free" and live:
             s = live.pop(data.draw(st.integers(0, len(live) - 1), label="which"))
             bm.free(s)
+            assert s.block_table == [], f"after step {step}: a freed sequence keeps a stale block table {s.block_table}"
         check_invariants(bm, live, f"after step {step} ({op})")
     for s in live:
         bm.free(s)

@@ -62,6 +62,50 @@ def test_chunked_prefill_respects_the_token_budget_and_keeps_outputs(impl, seed)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
+def test_a_chunk_ending_one_token_before_the_prompt_end_samples_nothing(impl, seed):
+    model = make_model(seed)
+    prompts = random_prompts(seed, 2, 17, 17) + random_prompts(seed + 5, 1, 33, 33)  # budget 16: 16 + 1, 16 + 16 + 1
+    engine = _engine(impl, model, num_blocks=32, max_num_seqs=1, max_num_batched_tokens=16)
+    outs = engine.generate(prompts, [_params(impl, max_tokens=6)] * 3)
+    _check_same(outs, reference(model, prompts, [6] * 3), seed, "a prefill chunk that stops one token short")
+
+
+@pytest.mark.parametrize("budget,prompt_len", [(16, 50), (7, 30)])
+def test_a_long_prompt_is_prefilled_in_budget_sized_chunks(impl, budget, prompt_len):
+    bm = impl("stage04_batching.block_manager").BlockManager(32, block_size=16)
+    sched = impl("stage04_batching.scheduler").Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=budget)
+    sq = impl("stage04_batching.sequence")
+    seq = sq.Sequence("a", list(range(3, 3 + prompt_len)), sq.SamplingParams(max_tokens=4))
+    sched.add(seq)
+    chunks = []
+    while seq.num_computed_tokens < seq.num_tokens:
+        out = sched.schedule()
+        chunks.append(out.num_tokens[out.seqs.index(seq)])
+        seq.num_computed_tokens += chunks[-1]
+    full, rest = divmod(prompt_len, budget)
+    assert chunks == [budget] * full + [rest] * bool(rest), (
+        f"a {prompt_len}-token prompt under a {budget}-token budget is computed in chunks {chunks}; every "
+        "step should take as much of the remaining prompt as the budget allows"
+    )
+
+
+def test_more_running_sequences_than_tokens_in_the_budget_wait_their_turn(impl):
+    bm = impl("stage04_batching.block_manager").BlockManager(32, block_size=4)
+    sched = impl("stage04_batching.scheduler").Scheduler(bm, max_num_seqs=6, max_num_batched_tokens=4)
+    sq = impl("stage04_batching.sequence")
+    for i in range(6):
+        sched.add(sq.Sequence(str(i), [3 + i], sq.SamplingParams(max_tokens=8)))
+    for step in range(40):
+        out = sched.schedule()
+        assert sum(out.num_tokens) <= 4 and all(n > 0 for n in out.num_tokens), (
+            f"step {step}: {out.num_tokens}: once the budget is spent, the other running sequences wait"
+        )
+        for s, n in zip(out.seqs, out.num_tokens, strict=True):
+            s.num_computed_tokens += n
+            s.token_ids.append(5)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
 def test_scheduler_never_exceeds_its_budgets(impl, seed):
     model = make_model(seed)
     engine = _engine(impl, model, num_blocks=40, max_num_seqs=3, max_num_batched_tokens=16)
@@ -72,6 +116,7 @@ def test_scheduler_never_exceeds_its_budgets(impl, seed):
     while engine.has_unfinished_requests() and steps < 500:
         out = sched.schedule()
         assert sum(out.num_tokens) <= 16, f"seed={seed}: {sum(out.num_tokens)} tokens in one step, budget 16"
+        assert all(n > 0 for n in out.num_tokens), f"seed={seed}: a scheduled sequence must compute a token"
         assert len(sched.running) <= 3, f"seed={seed}: {len(sched.running)} running, max_num_seqs is 3"
         for s, n in zip(out.seqs, out.num_tokens, strict=True):
             assert len(s.block_table) * 16 >= s.num_computed_tokens + n, f"seed={seed}: {s} lacks blocks for {n}"
@@ -85,6 +130,39 @@ def test_scheduler_never_exceeds_its_budgets(impl, seed):
         steps += 1
     assert not engine.has_unfinished_requests(), f"seed={seed}: the scheduler stalled"
     assert engine.block_manager.num_used_blocks == 0, f"seed={seed}: blocks leaked"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_preemption_recomputes_from_the_front_and_admits_nobody_that_step(impl, seed):
+    bm = impl("stage04_batching.block_manager").BlockManager(8, block_size=4, enable_prefix_caching=False)
+    sched = impl("stage04_batching.scheduler").Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=32)
+    sq = impl("stage04_batching.sequence")
+    for i, p in enumerate(random_prompts(seed, 5, 5, 9)):
+        sched.add(sq.Sequence(str(i), p, sq.SamplingParams(max_tokens=12)))
+    preemptions = 0
+    for step in range(400):
+        if not sched.has_unfinished():
+            break
+        was_running = {id(s) for s in sched.running}
+        out = sched.schedule()
+        assert sum(out.num_tokens) <= 32 and all(n > 0 for n in out.num_tokens), f"seed={seed}: {out.num_tokens}"
+        if out.preempted:
+            preemptions += 1
+            gone = {id(v) for v in out.preempted}
+            assert all(id(s) in was_running and id(s) not in gone for s in out.seqs), (
+                f"seed={seed} step {step}: a step that preempts admits nobody, not even the victim"
+            )
+            assert sched.waiting[0] is out.preempted[-1], f"seed={seed} step {step}: a victim goes to the queue's front"
+            for v in out.preempted:
+                assert v.num_computed_tokens == 0 and v.block_table == [], f"seed={seed}: {v} must recompute from 0"
+        for s, n in zip(out.seqs, out.num_tokens, strict=True):
+            s.num_computed_tokens += n
+            if s.num_computed_tokens == s.num_tokens:
+                s.token_ids.append(5)
+                if len(s.output_token_ids) >= 12:
+                    sched.finish(s, "length")
+    assert preemptions, f"seed={seed}: 8 blocks of 4 cannot hold 4 sequences of up to 21 tokens: expected preemption"
+    assert not sched.has_unfinished() and bm.num_used_blocks == 0, f"seed={seed}: stalled or leaked blocks"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

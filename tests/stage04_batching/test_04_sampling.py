@@ -1,5 +1,7 @@
 """Sampling (temperature, top-k, top-p, per-request seeds) and stopping (EOS, max_tokens, stop strings)."""
 
+import random
+
 import pytest
 import torch
 from stage04_helpers import make_model, random_prompts
@@ -35,6 +37,18 @@ def test_top_k_and_top_p_keep_exactly_their_support(impl, seed):
     got = {sample(logits, _params(impl, temperature=1.0, top_p=0.6), gen) for _ in range(600)}
     assert got == set(order[:nucleus]), f"seed={seed}: top_p=0.6 support should be {order[:nucleus]}, got {got}"
     assert sample(logits, _params(impl, temperature=0.0), gen) == order[0], f"seed={seed}: temperature 0 is argmax"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_ties_and_top_k_of_one(impl, seed):
+    sample = impl("stage04_batching.engine").sample
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(30, generator=gen)
+    tied = sorted(torch.randperm(30, generator=gen)[:3].tolist())
+    logits[tied] = logits.max() + 1.0  # three ids share the maximum exactly
+    assert sample(logits, _params(impl, temperature=0.0), gen) == tied[0], f"seed={seed}: a tie goes to the lowest id"
+    draws = {sample(logits + torch.arange(30) * 1e-3, _params(impl, temperature=1.5, top_k=1), gen) for _ in range(50)}
+    assert draws == {tied[-1]}, f"seed={seed}: top_k=1 keeps only the single largest logit, drew {draws}"
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -110,3 +124,46 @@ def test_streamed_deltas_concatenate_to_the_text_and_never_break_utf8(impl, toke
     assert not any("\ufffd" in d for d in deltas[:-1]), f"seed={seed}: a delta carried a broken UTF-8 sequence"
     assert "".join(deltas) == final.text, f"seed={seed}: the deltas must add up to the final text"
     assert final.text == tokenizer.decode(final.token_ids), f"seed={seed}: text must be the decoded output"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_find_stop_and_safe_length_against_brute_force(impl, seed):
+    eng = impl("stage04_batching.engine")
+    rng = random.Random(seed)
+    for _ in range(300):
+        text = "".join(rng.choice("abc\ufffd") for _ in range(rng.randint(0, 9)))
+        stops = ["".join(rng.choice("abc") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(0, 3))]
+        starts = [i for i in range(len(text)) for s in stops if text.startswith(s, i)]
+        assert eng.find_stop(text, stops) == (min(starts) if starts else None), f"seed={seed} {text!r} {stops}"
+        if not starts:
+            got = eng.safe_length(text, stops)
+            held = max((k for s in stops for k in range(1, len(s)) if text.rstrip("\ufffd").endswith(s[:k])), default=0)
+            assert got == len(text.rstrip("\ufffd")) - held, (
+                f"seed={seed}: safe_length({text!r}, {stops}) = {got}: hold back a trailing U+FFFD run and the "
+                "longest tail that is the start of a stop string, nothing more"
+            )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_no_streamed_delta_carries_part_of_a_stop_string(impl, tokenizer, seed):
+    model = make_model(seed, vocab_size=tokenizer.get_vocab_size())
+    engine_mod = impl("stage04_batching.engine")
+    prompt = tokenizer.encode("Once upon a time").ids
+    full = (
+        engine_mod.LLMEngine(model, tokenizer, num_blocks=32)
+        .generate([prompt], _params(impl, max_tokens=40, ignore_eos=True))[0]
+        .text
+    )
+    stop = full[9:13]
+    expected = full[: full.find(stop)]
+    engine = engine_mod.LLMEngine(model, tokenizer, num_blocks=32)
+    engine.add_request(prompt, _params(impl, max_tokens=40, ignore_eos=True, stop=[stop]))
+    sent = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            sent += out.delta_text
+            assert expected.startswith(sent), (
+                f"seed={seed}: streamed {sent!r}, but the text ends at {expected!r} (stop {stop!r}): a client must "
+                "never receive characters that turn out to start the stop string"
+            )
+    assert sent == expected, f"seed={seed}: the client must receive exactly the text before the stop"

@@ -12,6 +12,17 @@ def qkv(seed, B, H, H_kv, T, D, dtype=torch.float32):
     return tuple(torch.randn(B, h, T, D, generator=g).to(dtype) for h in (H, H_kv, H_kv))
 
 
+def peaked(seed: int, B: int, H: int, H_kv: int, T: int, D: int):
+    """q, k, v whose key 0 scores about +120 for every query and every later key about -120: the
+    maximum sits in the first tile and the later tiles are so far below it that a running max
+    that forgets the first tile makes exp overflow (exp(240) is past float32's range)."""
+    g = torch.Generator().manual_seed(seed)
+    q = 1 + 0.1 * torch.randn(B, H, T, D, generator=g)
+    k = torch.randn(B, H_kv, T, D, generator=g) - 30
+    k[:, :, 0] += 60
+    return q, k, torch.randn(B, H_kv, T, D, generator=g)
+
+
 # seed, H, H_kv, T, D, BLOCK_M, BLOCK_N, causal: GQA 1/2/4, T off the block grid (and below one block)
 CASES = [
     (0, 2, 2, 37, 16, 16, 16, True),
@@ -31,6 +42,14 @@ def test_flash_attention_matches_sdpa_fp32(impl, seed, H, H_kv, T, D, block_m, b
         o, expected, atol=1e-5, rtol=1e-5,
         msg=f"seed={seed}, H={H}, H_kv={H_kv}, T={T}, D={D}, blocks=({block_m},{block_n}), causal={causal}",
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_attention_keeps_the_running_max_across_tiles(impl, causal):
+    q, k, v = peaked(9, 1, 2, 1, 45, 16)
+    o, _ = impl(MODULE).flash_attention(q, k, v, causal=causal, block_m=16, block_n=16)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    torch.testing.assert_close(o, expected, atol=1e-5, rtol=1e-5, msg=f"seed=9 causal={causal}: max in the first tile")
 
 
 @pytest.mark.parametrize("seed,causal", [(5, True), (6, False)])
@@ -72,3 +91,9 @@ BAD_INPUTS = {
 def test_flash_attention_wrapper_rejects_bad_input(impl, case):
     with pytest.raises(ValueError):
         impl(MODULE).flash_attention(*BAD_INPUTS[case](), block_m=16, block_n=16)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(48, 16), (16, 24), (8, 16)])
+def test_flash_attention_rejects_blocks_that_tl_dot_cannot_tile(impl, block_m, block_n):
+    with pytest.raises(ValueError, match="block"):
+        impl(MODULE).flash_attention(*qkv(0, 1, 2, 2, 16, 16), block_m=block_m, block_n=block_n)

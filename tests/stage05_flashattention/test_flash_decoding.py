@@ -24,6 +24,17 @@ def decode_inputs(seed, H, H_kv, S, D, dtype=torch.float32):
     return q, k, v, seq_lens
 
 
+def peaked(seed: int, B: int, H: int, H_kv: int, T: int, D: int):
+    """q, k, v whose key 0 scores about +120 for every query and every later key about -120: the
+    maximum sits in the first tile and the later tiles are so far below it that a running max
+    that forgets the first tile makes exp overflow (exp(240) is past float32's range)."""
+    g = torch.Generator().manual_seed(seed)
+    q = 1 + 0.1 * torch.randn(B, H, T, D, generator=g)
+    k = torch.randn(B, H_kv, T, D, generator=g) - 30
+    k[:, :, 0] += 60
+    return q, k, torch.randn(B, H_kv, T, D, generator=g)
+
+
 # seed, H, H_kv, num_splits: 8 splits of a 70-key cache leave some splits empty for the short rows
 @pytest.mark.parametrize("seed,H,H_kv,num_splits", [(0, 2, 2, 1), (1, 4, 2, 3), (2, 4, 1, 8)])
 def test_flash_decode_matches_sdpa(impl, seed, H, H_kv, num_splits):
@@ -33,6 +44,16 @@ def test_flash_decode_matches_sdpa(impl, seed, H, H_kv, num_splits):
         got, reference(q, k, v, seq_lens), atol=1e-5, rtol=1e-5,
         msg=f"seed={seed}, H={H}, H_kv={H_kv}, num_splits={num_splits}, seq_lens={seq_lens.tolist()}",
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_flash_decode_keeps_the_running_max_across_tiles(impl, num_splits):
+    q, k, v = peaked(4, 3, 4, 2, 64, 32)
+    q, seq_lens = q[:, :, 0].contiguous(), torch.tensor([64, 40, 17], dtype=torch.int32)
+    got = impl(MODULE).flash_decode(q, k, v, seq_lens, num_splits=num_splits, block_n=16)
+    torch.testing.assert_close(
+        got, reference(q, k, v, seq_lens), atol=1e-5, rtol=1e-5, msg=f"seed=4 num_splits={num_splits}: max in tile 0"
+    )
 
 
 def test_flash_decode_matches_sdpa_fp16(impl):
@@ -72,6 +93,7 @@ BAD_DECODE = {
     "seq_lens past the cache": lambda q, k, v, n: (q, k, v, n + 100),
     "q with a time axis": lambda q, k, v, n: (q[:, :, None], k, v, n),
     "mixed dtypes": lambda q, k, v, n: (q.half(), k, v, n),
+    "an empty sequence": lambda q, k, v, n: (q, k, v, n * torch.tensor([1, 0, 1], dtype=torch.int32)),
 }
 
 

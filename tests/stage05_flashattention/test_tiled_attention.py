@@ -29,6 +29,17 @@ def reference_lse(q, k, causal):
     return torch.logsumexp(s, dim=-1)
 
 
+def peaked(seed: int, B: int, H: int, H_kv: int, T: int, D: int):
+    """q, k, v whose key 0 scores about +120 for every query and every later key about -120: the
+    maximum sits in the first tile and the later tiles are so far below it that a running max
+    that forgets the first tile makes exp overflow (exp(240) is past float32's range)."""
+    g = torch.Generator().manual_seed(seed)
+    q = 1 + 0.1 * torch.randn(B, H, T, D, generator=g)
+    k = torch.randn(B, H_kv, T, D, generator=g) - 30
+    k[:, :, 0] += 60
+    return q, k, torch.randn(B, H_kv, T, D, generator=g)
+
+
 @pytest.fixture
 def one_thread():
     """Memory tests count bytes, not seconds: one thread avoids OpenMP stalls on a shared, busy CPU."""
@@ -41,6 +52,7 @@ CASES = [  # seed, H, H_kv, T, block_q, block_k, causal: GQA ratios 1/2/4, T not
     (1, 4, 2, 45, 16, 32, False),
     (2, 4, 1, 70, 32, 16, True),
     (3, 4, 1, 33, 64, 64, False),
+    (4, 2, 1, 23, 5, 4, True),  # blocks that do not divide each other: a key tile starts on a query tile's last row
 ]
 
 
@@ -52,6 +64,15 @@ def test_tiled_attention_matches_sdpa(impl, seed, H, H_kv, T, block_q, block_k, 
     where = f"seed={seed}, H={H}, H_kv={H_kv}, T={T}, blocks=({block_q},{block_k}), causal={causal}"
     torch.testing.assert_close(o, expected, atol=1e-5, rtol=1e-5, msg=f"output differs from SDPA ({where})")
     torch.testing.assert_close(lse, reference_lse(q, k, causal), atol=1e-5, rtol=1e-5, msg=f"lse differs ({where})")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_tiled_attention_keeps_the_running_max_across_tiles(impl, causal):
+    q, k, v = peaked(5, 1, 4, 2, 50, 16)
+    o, lse = impl(MODULE).tiled_attention(q, k, v, causal=causal, block_q=16, block_k=16)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    torch.testing.assert_close(o, expected, atol=1e-5, rtol=1e-5, msg=f"seed=5 causal={causal}: max in the first tile")
+    torch.testing.assert_close(lse, reference_lse(q, k, causal), atol=1e-4, rtol=1e-5, msg=f"seed=5 causal={causal}")
 
 
 @pytest.mark.parametrize("causal", [False, True])

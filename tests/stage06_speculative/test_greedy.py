@@ -127,3 +127,33 @@ def test_tiny_pair_greedy_identical_and_fewer_forwards(impl, k):
     assert got == hf_greedy(hf_target, prompt, 48), f"k={k}: tiny pair output differs from the target's greedy"
     assert got == hf_assisted(hf_target, no_eos(hf_from_labkit(draft)), prompt, 48, k), f"k={k}: differs from HF"
     assert stats.target_forwards < 48, f"k={k}: the distilled draft should save target forwards, got {stats}"
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_greedy_speculative_stops_right_after_eos(impl, pair, k):
+    hf_target, _, target, draft = pair("gqa2-tied", 4)
+    prompt = random_tokens(4, 8, 97).tolist()
+    free = hf_greedy(hf_target, prompt, 30)
+    eos = free[11]  # a token the target emits; generation must end at its first occurrence
+    want = free[: free.index(eos) + 1]
+    got, stats = impl("stage06_speculative.speculative").greedy_speculative(target, draft, prompt, 30, k=k, eos_id=eos)
+    assert got == want, f"seed=4 k={k} eos={eos}: expected the greedy tokens up to and including the first EOS"
+    assert stats.generated == len(want), f"seed=4 k={k}: stats.generated={stats.generated}, kept {len(want)} tokens"
+    # The target as its own draft accepts every draft: rounds of k + 1 tokens, so EOS lands mid-round.
+    got, stats = impl("stage06_speculative.speculative").greedy_speculative(target, target, prompt, 30, k=k, eos_id=eos)
+    assert got == want, f"seed=4 k={k} eos={eos}: tokens after an EOS in the middle of a round must be dropped"
+    assert stats.rejected == 0 and stats.accepted == stats.proposed > 0, f"seed=4 k={k}: nothing is rejected: {stats}"
+
+
+def test_speculative_sample_draws_only_from_its_own_seed(impl, pair):
+    """Every random draw (the drafts, the uniforms, the resample) comes from the seeded generator:
+    the same seed gives the same tokens whatever the global RNG did, another seed other tokens."""
+    m = impl("stage06_speculative.speculative")
+    _, _, target, draft = pair("mqa-odd", 5)
+    prompt = random_tokens(5, 7, 97).tolist()
+    runs = []
+    for global_seed, seed in [(1, 11), (2, 11), (3, 12)]:
+        torch.manual_seed(global_seed)
+        runs.append(m.speculative_sample(target, draft, prompt, 24, k=3, temperature=1.0, top_p=0.9, seed=seed)[0])
+    assert runs[0] == runs[1], "seed=11 twice gave different tokens: a draw used the global RNG"
+    assert runs[0] != runs[2], "seeds 11 and 12 gave the same 24 tokens: the seed is not used"

@@ -94,3 +94,28 @@ def test_accept_reject_counts_leading_acceptances(impl, seed):
     n, dist = m.accept_reject(p, q, drafted, torch.tensor(ratio * 0.5, dtype=torch.float32))
     assert n == k, f"seed={seed}: every draft passes, expected n={k}, got {n}"
     torch.testing.assert_close(dist, p[k], msg=lambda s: f"seed={seed}: all accepted -> bonus from p[k]: {s}")
+
+
+def test_accept_reject_never_accepts_a_token_the_target_cannot_emit(impl):
+    """u is in [0, 1) and a draft passes when u < p/q: with p(x) = 0 it must fail even at u = 0."""
+    p = torch.tensor([[0.0, 0.5, 0.5], [0.2, 0.3, 0.5]])
+    q = torch.tensor([[0.6, 0.2, 0.2]])
+    n, dist = impl("stage06_speculative.sampling").accept_reject(p, q, torch.tensor([0]), torch.zeros(1))
+    assert n == 0, "the target gives the drafted token probability 0: reject it, whatever u is"
+    torch.testing.assert_close(dist, torch.tensor([0.0, 0.5, 0.5]), msg="resample from norm(max(0, p - q))")
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9])
+def test_propose_sampled_returns_the_warped_draft_distributions(impl, pair, top_p):
+    _, hf_draft, _, draft = pair("gqa2-tied", 6)
+    tokens = [5, 17, 3, 40, 8]
+    cache = draft.new_cache(1, 16)
+    drafted, q = impl("stage06_speculative.speculative").propose_sampled(
+        draft, cache, tokens, 3, 0.8, top_p, torch.Generator().manual_seed(6)
+    )
+    assert cache.length == len(tokens) + 2, f"the draft cache holds tokens + drafted[:-1], not {cache.length} tokens"
+    with torch.no_grad():
+        logits = hf_draft(torch.tensor([tokens + drafted[:-1]])).logits[0, len(tokens) - 1 :]
+    torch.testing.assert_close(
+        q, hf_warp(logits, 0.8, top_p), atol=1e-5, rtol=0, msg=f"seed=6 top_p={top_p}: q[i] is warp(draft logits)"
+    )

@@ -69,3 +69,8 @@ def test_optimal_k_is_zero_when_drafting_does_not_pay(impl):
     assert got == 0, (
         f"alpha=0.1 with a draft half as expensive as the target: speculation loses, expected k=0, got {got}"
     )
+
+
+def test_optimal_k_can_be_k_max(impl):
+    got = impl("stage06_speculative.speedup").optimal_k(0.99, 0.001, k_max=4)
+    assert got == 4, f"alpha=0.99 with a nearly free draft: every extra draft pays, expected k_max=4, got {got}"
