@@ -91,8 +91,12 @@ def test_the_learner_files_are_the_skeletons(edition):
 
 
 @pytest.mark.slow
-def test_make_grade_in_the_edition_finds_every_row_not_started(edition, tmp_path):
-    out = run_in(edition, "-m", "labkit.grade", "--json", str(tmp_path / "report.json"), timeout=1500)
+@pytest.mark.parametrize("row", ["01", "02b"])
+def test_make_grade_in_the_edition_finds_the_untouched_skeleton_not_started(edition, tmp_path, row):
+    # One part-1 row and one part-2 row: grading every row takes ~15 min on 2 cores, and for the other
+    # rows "not started" already follows from guarantee 2 (every graded test fails on the skeleton).
+    report = tmp_path / "report.json"
+    out = run_in(edition, "-m", "labkit.grade", "--stage", row, "--json", str(report), timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    rows = json.loads((tmp_path / "report.json").read_text())["stages"]
-    assert [(r["stage"], r["status"]) for r in rows] == [(n, "not started") for n in STAGES], out.stdout[-3000:]
+    rows = json.loads(report.read_text())["stages"]
+    assert [(r["stage"], r["status"]) for r in rows] == [(row, "not started")], out.stdout[-3000:]
