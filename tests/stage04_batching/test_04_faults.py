@@ -247,6 +247,57 @@ def test_non_streaming_clients_that_leave_abort_their_requests(server):
     _still_serving(server)
 
 
+def _counts(server) -> tuple[dict, float]:
+    """(requests by status, generated tokens) from the server's /metrics."""
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        families = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+    counts = {s.labels["status"]: s.value for s in families["llm_requests"].samples if s.name.endswith("_total")}
+    tokens = sum(s.value for s in families["llm_generation_tokens"].samples if s.name.endswith("_total"))
+    return counts, tokens
+
+
+def test_streaming_clients_that_leave_after_one_chunk_abort_their_requests(server):
+    server.engine.fault_hook = _slow(0.005)  # 8 requests x 200 tokens would take at least 8 s to run out
+    body = {"prompt": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0, "stream": True}
+
+    async def leave(c):
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break  # one chunk, then the client closes the connection
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as c:
+            await asyncio.gather(*(leave(c) for _ in range(8)))
+
+    asyncio.run(main())
+    used = wait_blocks_free(server.engine, seconds=2.0)
+    counts, tokens = _counts(server)
+    assert used == 0 and counts.get("abort") == 8, (
+        f"8 streaming clients left after one chunk; 2 s later {used} KV blocks in use, requests by status {counts}: "
+        "stream_events must abort the request when its client goes"
+    )
+    assert tokens < 8 * 200, f"{tokens} tokens were generated for clients that had left"
+    server.engine.fault_hook = None
+    _still_serving(server)
+
+
+def test_a_stream_ends_with_the_finish_reason_even_when_its_last_output_adds_no_text(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        plain = c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 40, "temperature": 0}).json()
+    text = plain["choices"][0]["text"]
+    stop = text[12:15]  # mid-text: its first characters are held back, then cut, so the last output adds nothing
+    body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stop": [stop]}
+    ((status, events),) = _run(server, [{**body, "stream": True}])[0]
+    chunks = [e for e in events if isinstance(e, dict)]
+    reasons = [e["choices"][0]["finish_reason"] for e in chunks]
+    assert status == 200 and events[-1] == "[DONE]", f"stop={stop!r}: the stream must end with [DONE]: {events[-3:]}"
+    assert reasons[-1] == "stop" and reasons.count(None) == len(reasons) - 1, (
+        f"stop={stop!r}: exactly one chunk, the last, carries the finish reason, even with no new text; got {reasons}"
+    )
+    assert _text(status, events) == text[: text.index(stop)], f"stop={stop!r}: streamed text"
+
+
 @pytest.mark.parametrize(
     "path, body, param",
     [
