@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from stage04_helpers import PROMPT, LiveServer, wait_blocks_free
+from stage04_helpers import PROMPT, LiveServer, make_model, wait_blocks_free
 
 from labkit.impl import load
 from labkit.loadtest import FAULT_MARKER, fail_on_marker
@@ -296,6 +296,34 @@ def test_a_stream_ends_with_the_finish_reason_even_when_its_last_output_adds_no_
         f"stop={stop!r}: exactly one chunk, the last, carries the finish reason, even with no new text; got {reasons}"
     )
     assert _text(status, events) == text[: text.index(stop)], f"stop={stop!r}: streamed text"
+
+
+@pytest.mark.parametrize("max_waiting", [1, 3])
+def test_submit_admits_exactly_max_waiting_requests(impl, tokenizer, max_waiting):
+    core_mod, engine_mod, seq_mod = (impl(f"stage04_batching.{m}") for m in ("async_engine", "engine", "sequence"))
+    engine = engine_mod.LLMEngine(make_model(3, vocab_size=tokenizer.get_vocab_size()), tokenizer, num_blocks=16)
+
+    async def main():  # no loop task: every submit stays waiting
+        core = core_mod.AsyncEngine(engine, max_waiting=max_waiting)
+        for _ in range(max_waiting):
+            core.submit([1, 2, 3], seq_mod.SamplingParams(max_tokens=2))
+        with pytest.raises(core_mod.QueueFull):
+            core.submit([1, 2, 3], seq_mod.SamplingParams(max_tokens=2))
+
+    asyncio.run(main())
+
+
+def test_finished_requests_leave_no_queue_behind(server):
+    bodies = [
+        {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": stream} for stream in (False, True, False)
+    ]
+    results, _ = _run(server, bodies)
+    assert all(status == 200 for status, _ in results), results
+    assert wait_blocks_free(server.engine) == 0
+    assert server.core.queues == {}, (
+        f"{len(server.core.queues)} queues of finished requests are still held: the loop must drop a request's "
+        "queue once its last output is on it"
+    )
 
 
 @pytest.mark.parametrize(
