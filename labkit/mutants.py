@@ -73,7 +73,7 @@ def todo_functions(stage: str) -> dict[str, list[str]]:
         text = path.read_text()
         funcs = list(_functions(ast.parse(text)))
         for lineno, line in enumerate(text.splitlines(), 1):
-            if not _TODO.search(line) or "lab2.ipynb" in line:  # part 2 has no catalogue yet
+            if not _TODO.search(line) or re.search(r"lab\d\.ipynb", line):  # part 2 has no catalogue yet
                 continue
             around = [(n.end_lineno - n.lineno, q) for q, n in funcs if n.lineno <= lineno <= n.end_lineno]
             if around:

@@ -2,7 +2,7 @@
 
 A test file's place is the handout section it grades: the first §k in its docstring, else the latest of the
 first sections of the stage modules it names ("stage02_kv_cache.generate" -> the first §k among generate.py's
-TODO messages). Part 2 (test_NNb_*.py, lab2.ipynb) follows part 1. Tests inside a file keep pytest's order,
+TODO messages). Part 2 (test_NNb_*.py, lab2.ipynb and any lab3.ipynb) follows part 1. Tests inside a file keep pytest's order,
 so module- and parameter-scoped fixtures stay grouped; folders keep theirs.
 """
 
@@ -12,7 +12,7 @@ from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TODO_SECTION = re.compile(r"see (lab2?)\.ipynb §(\d+)")
+TODO_SECTION = re.compile(r"see (lab\d?)\.ipynb §(\d+)")
 MODULE_NAME = re.compile(r"[\"'](stage\d\d_\w+)\.(\w+)[\"']")
 UNPLACED = (True, 10**6)  # files that grade no particular section run after the others
 
@@ -22,7 +22,7 @@ def module_section(folder: str, name: str) -> tuple[bool, int] | None:
     """(part 2?, k) of the first section a stage module's TODOs point to."""
     path = ROOT / folder / f"{name}.py"
     found = (
-        [(notebook == "lab2", int(k)) for notebook, k in TODO_SECTION.findall(path.read_text())]
+        [(notebook != "lab", int(k)) for notebook, k in TODO_SECTION.findall(path.read_text())]
         if path.is_file()
         else []
     )
