@@ -119,7 +119,9 @@ class AsyncEngine:
     async def _loop(self) -> None:
         """Forever: apply queued submits and aborts, sleep on `wakeup` while there is no work, otherwise
         run one self.step() and put each output on its request's queue (dropping the queue once the
-        request finishes).
+        request finishes). Call the given self.step(), not engine.step(): besides the worker thread, it
+        records every output in self.metrics (metrics.record) and the queue and KV gauges once per step
+        (metrics.observe), so skipping it leaves /metrics at 0.
 
         One request's fault fails that request only: if add_request raises, fail(...) it with 400 for a
         ValueError (its input) or 500 for anything else; an output with finish_reason "error" (the engine

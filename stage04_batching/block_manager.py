@@ -67,8 +67,12 @@ class BlockManager:
         raise NotImplementedError("stage04: BlockManager.can_allocate — see lab.ipynb §1")
 
     def allocate(self, seq: Sequence) -> None:
-        """Build the block table of a waiting sequence: cached prefix blocks first (shared, ref_count + 1),
-        then fresh blocks for all its remaining tokens. Sets num_computed_tokens to the cached length."""
+        """Build the block table of a waiting sequence: cached prefix blocks first (shared, ref_count + 1,
+        revived from the free queue if nobody held them), then fresh blocks for all its remaining tokens.
+
+        Sets both seq.num_computed_tokens and seq.num_cached_tokens to the cached length,
+        len(hits) * block_size (0 without a hit): prefill starts after the hits, and the engine reports
+        num_cached_tokens in each RequestOutput."""
         raise NotImplementedError("stage04: BlockManager.allocate — see lab.ipynb §1")
 
     def can_append(self, seq: Sequence) -> bool:

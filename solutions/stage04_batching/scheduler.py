@@ -45,9 +45,15 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's batch. Invariants: sum(num_tokens) <= max_num_batched_tokens,
-        len(running) <= max_num_seqs, every scheduled sequence has blocks for all the tokens it computes,
-        and no waiting sequence is admitted in a step that preempted."""
+        """Decide this step's batch: running sequences first, in order, then waiting ones FCFS.
+
+        A running sequence gets append_slot (its copy-on-write pair, if any, goes to blocks_to_copy) and
+        num_tokens - num_computed_tokens tokens, cut to the budget left; when it cannot append, the last
+        running sequence is preempted (listed in preempted) until it can, or until it was the victim itself.
+        An admitted sequence is allocated, set RUNNING and appended to running. Invariants:
+        sum(num_tokens) <= max_num_batched_tokens, len(running) <= max_num_seqs, every scheduled sequence
+        has blocks for all the tokens it computes, and no waiting sequence is admitted in a step that
+        preempted."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         i = 0
