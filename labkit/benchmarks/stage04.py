@@ -6,17 +6,25 @@ A seeded workload of requests with mixed prompt and output lengths (EOS ignored,
 benchmarks do) on the tiny target, all arriving at once; for each concurrency c the engine runs with
 max_num_seqs=c, static batching and HF generate with batches of c. Sequential serving does not
 depend on c and runs once. Then TTFT with a shared 512-token system prompt, prefix cache on vs off.
+
+Latency (TTFT, the time to a request's first token; TPOT, the mean time per output token after it) is
+measured by `replay`, which feeds requests to the engine at their arrival times, one step at a time,
+and timestamps every token as a server would. Two sweeps use it: max_num_batched_tokens (chunked
+prefill) against throughput and the p95 gap between two tokens of one request, and goodput, the
+requests per second that meet both a TTFT and a TPOT target, against the offered request rate.
 """
 
 import asyncio
 import random
 import statistics
+import time
 
 import torch
 
 from labkit import bench, plot
 from labkit.device import pin_threads
 from labkit.impl import load
+from labkit.loadtest import percentile
 from labkit.testing import hf_from_labkit
 
 
@@ -96,16 +104,19 @@ def main(quick: bool = False) -> bench.Result:
     served = server_vs_naive(engine_mod, sequence, model, [4, 16] if quick else [1, 4, 16, 32], 16 if quick else 32)
     print(bench.table(served["rows"], "HTTP serving, streaming clients (labkit.loadtest)"))
     print(bench.table([served["ratios"]], "Server ratios at concurrency 16"))
+    lat = latency_sweeps(engine_mod, model, quick)
 
     plt = plot.setup()
-    fig, ax = plt.subplots()
+    fig, (ax, ax_chunk, ax_good) = plt.subplots(1, 3, figsize=(16, 4.2))
     for variant in dict.fromkeys(r["variant"] for r in rows):
         pts = [(r["concurrency"], r["tokens_per_s"]) for r in rows if r["variant"] == variant]
         ax.plot(*zip(*pts, strict=True), marker="o", label=variant)
     ax.set(xscale="log", xlabel="concurrency (requests in flight)", ylabel="output tokens / s", title=which)
     ax.set_xticks(concurrency, [str(c) for c in concurrency])
     ax.legend()
-    return bench.Result(rows, {"model": which, "ratios": ratios, "prefix_cache": prefix, "server": served}, fig)
+    plot_latency(lat, ax_chunk, ax_good)
+    figures = {"model": which, "ratios": ratios, "prefix_cache": prefix, "server": served, "latency": lat}
+    return bench.Result(rows, figures, fig)
 
 
 def prefix_cache_ttft(engine_mod, sequence, model, vocab: int, n: int) -> list[dict]:
@@ -165,6 +176,130 @@ def server_vs_naive(engine_mod, sequence, model, concurrency: list[int], n: int)
         "offline_engine_tokens_per_s_at_16": offline,
     }
     return {"rows": rows, "ratios": ratios}
+
+
+def replay(engine, arrivals: list[tuple[float, list[int], object]]) -> dict:
+    """Serve requests that arrive over time on the offline engine, one step at a time, timing each token.
+
+    arrivals: (offset_s, prompt_ids, SamplingParams), sorted by offset. A request joins before the first
+    step that starts after its offset, as a server's loop adds requests between steps; its TTFT counts
+    from the offset, so time spent waiting for a step or for room in the batch is included.
+    Returns {"requests": [{"ttft": s, "gaps": [s between consecutive tokens], "tokens": n}], "seconds": makespan}.
+    """
+    pending = sorted(arrivals, key=lambda a: a[0], reverse=True)
+    token_times: dict[str, list[float]] = {}
+    offsets: dict[str, float] = {}
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - t0
+        while pending and pending[-1][0] <= now:
+            offset, prompt, params = pending.pop()
+            request_id = engine.add_request(prompt, params)
+            offsets[request_id], token_times[request_id] = offset, []
+        if not engine.has_unfinished_requests():
+            time.sleep(max(pending[-1][0] - now, 0.0))
+            continue
+        outputs = engine.step()
+        now = time.perf_counter() - t0
+        for out in outputs:
+            token_times[out.request_id].append(now)
+    requests = [
+        {"ttft": ts[0] - offsets[r], "gaps": [b - a for a, b in zip(ts, ts[1:], strict=False)], "tokens": len(ts)}
+        for r, ts in token_times.items()
+    ]
+    return {"requests": requests, "seconds": time.perf_counter() - t0}
+
+
+def latency(served: dict, slo_ttft: float = float("inf"), slo_tpot: float = float("inf")) -> dict:
+    """Throughput, TTFT and TPOT percentiles, the p95 gap between two tokens of a request, and goodput
+    (requests per second that met both SLOs; slo_ttft and slo_tpot in seconds) of one replay."""
+    reqs = served["requests"]
+    tpot = [sum(r["gaps"]) / len(r["gaps"]) for r in reqs if r["gaps"]]
+    met = sum(r["ttft"] <= slo_ttft and (not r["gaps"] or sum(r["gaps"]) / len(r["gaps"]) <= slo_tpot) for r in reqs)
+    return {
+        "tokens_per_s": sum(r["tokens"] for r in reqs) / served["seconds"],
+        "ttft_p50_ms": percentile([r["ttft"] for r in reqs], 50) * 1e3,
+        "ttft_p95_ms": percentile([r["ttft"] for r in reqs], 95) * 1e3,
+        "tpot_p50_ms": percentile(tpot, 50) * 1e3,
+        "gap_p95_ms": percentile([g for r in reqs for g in r["gaps"]], 95) * 1e3,
+        "slo_met": met / len(reqs),
+        "goodput_rps": met / served["seconds"],
+    }
+
+
+def poisson_arrivals(seed: int, n: int, rate: float, vocab: int, prompt_range, out_range) -> list[tuple]:
+    """n requests at exponential gaps of mean 1/rate s (rate 0: all at once), long prompts, short outputs."""
+    from labkit.impl import load as load_stage
+
+    sequence = load_stage("stage04_batching.sequence")
+    rng = random.Random(seed)
+    arrivals, t = [], 0.0
+    for _ in range(n):
+        prompt = [1] + [rng.randrange(3, vocab) for _ in range(rng.randint(*prompt_range) - 1)]
+        params = sequence.SamplingParams(max_tokens=rng.randint(*out_range), ignore_eos=True)
+        arrivals.append((t, prompt, params))
+        t += rng.expovariate(rate) if rate else 0.0
+    return arrivals
+
+
+def latency_sweeps(engine_mod, model, quick: bool) -> dict:
+    """Chunked prefill's trade (max_num_batched_tokens vs throughput and the p95 token gap) and goodput
+    against the offered rate, on requests with long prompts (128-384 tokens) and short outputs (8-24)
+    arriving as a Poisson process, so that prefills often land while others decode.
+
+    The rates are fractions of the engine's measured capacity (the same requests all at once), and the
+    SLOs are multiples of this machine's unloaded latencies, so the sweep means the same on any machine:
+    TTFT <= 5x one request's prefill of the longest prompt, TPOT <= 3x a batch-1 decode step."""
+    n = 8 if quick else 16
+    V = model.config.vocab_size
+    prompt_range, out_range = (128, 384), (8, 24)
+
+    def engine(budget):
+        return engine_mod.LLMEngine(model, num_blocks=1024, max_num_seqs=16, max_num_batched_tokens=budget)
+
+    engine(512).generate([[1] * 64], engine_mod.SamplingParams(max_tokens=4))  # warm-up
+    alone = replay(engine(512), poisson_arrivals(9, 1, 0, V, (384, 384), (32, 32)))["requests"][0]
+    slo_ttft, slo_tpot = 5 * alone["ttft"], 3 * sum(alone["gaps"]) / len(alone["gaps"])
+    capacity = n / replay(engine(512), poisson_arrivals(2, n, 0, V, prompt_range, out_range))["seconds"]
+
+    budgets = [32, 512] if quick else [16, 32, 64, 128, 256, 512]
+    arrivals = poisson_arrivals(2, n, 1.5 * capacity, V, prompt_range, out_range)  # prefills land mid-decode
+    chunked = [
+        {"max_num_batched_tokens": b, **latency(replay(engine(b), arrivals), slo_ttft, slo_tpot)} for b in budgets
+    ]
+
+    loads = [0.5, 1.5] if quick else [0.25, 0.5, 0.75, 1.0, 1.5, 2.0]
+    goodput = []
+    for budget in (64, 512):
+        for x in loads:
+            arrivals = poisson_arrivals(3, n, x * capacity, V, prompt_range, out_range)
+            row = latency(replay(engine(budget), arrivals), slo_ttft, slo_tpot)
+            goodput.append({"max_num_batched_tokens": budget, "offered_rps": x * capacity, **row})
+    print(bench.table(chunked, f"Chunked prefill at {1.5 * capacity:.2f} requests/s"))
+    slo = f"TTFT <= {slo_ttft * 1e3:.0f} ms, TPOT <= {slo_tpot * 1e3:.0f} ms"
+    print(bench.table(goodput, f"Goodput ({slo}); capacity {capacity:.2f} requests/s"))
+    return {
+        "capacity_rps": capacity,
+        "slo_ttft_ms": slo_ttft * 1e3,
+        "slo_tpot_ms": slo_tpot * 1e3,
+        "chunked_prefill": chunked,
+        "goodput": goodput,
+    }
+
+
+def plot_latency(lat: dict, ax_chunk, ax_good) -> None:
+    """Throughput against the p95 token gap for each token budget; goodput against the offered rate."""
+    chunk = lat["chunked_prefill"]
+    ax_chunk.plot([r["gap_p95_ms"] for r in chunk], [r["tokens_per_s"] for r in chunk], marker="o")
+    for r in chunk:
+        ax_chunk.annotate(str(r["max_num_batched_tokens"]), (r["gap_p95_ms"], r["tokens_per_s"]), fontsize=8)
+    ax_chunk.set(xlabel="p95 gap between two tokens (ms)", ylabel="output tokens / s", title="max_num_batched_tokens")
+    for budget in dict.fromkeys(r["max_num_batched_tokens"] for r in lat["goodput"]):
+        pts = [(r["offered_rps"], r["goodput_rps"]) for r in lat["goodput"] if r["max_num_batched_tokens"] == budget]
+        ax_good.plot(*zip(*pts, strict=True), marker="o", label=f"max_num_batched_tokens={budget}")
+    slo = f"SLO: TTFT <= {lat['slo_ttft_ms']:.0f} ms, TPOT <= {lat['slo_tpot_ms']:.0f} ms"
+    ax_good.set(xlabel="offered requests / s", ylabel="goodput (requests / s within SLO)", title=slo)
+    ax_good.legend()
 
 
 if __name__ == "__main__":
