@@ -1,6 +1,6 @@
 """Medusa decoding (Cai et al., 2024): no draft model; K heads on the target's last hidden state guess the
-next K + 1 tokens, their top-k guesses form a tree of candidates, and the target verifies the whole
-tree in ONE forward pass with a tree attention mask.
+K tokens after the target's own next one, their top-k guesses form a tree of candidates, and the
+target verifies the whole tree in ONE forward pass with a tree attention mask.
 
 One round, greedy:
   root  = the target's own next token (its argmax at the last accepted position), not yet in the cache
