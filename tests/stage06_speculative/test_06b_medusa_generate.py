@@ -108,6 +108,23 @@ def test_generation_stops_right_after_eos(impl, name, seed):
     assert stats.generated == len(want), f"{name} seed={seed}: stats.generated={stats.generated}, kept {len(want)}"
 
 
+@pytest.mark.parametrize(("name", "seed"), [("mha-untied", 0), ("mqa-odd", 2)])
+def test_eos_inside_an_accepted_path_ends_generation_there(impl, name, seed):
+    """Perfect heads accept 5 tokens a round, so the EOS lands inside a round: the rest is dropped."""
+    hf = random_llama(seed, **LLAMA_CONFIGS[name], eos_token_id=NO_EOS)
+    target = labkit_from_hf(hf)
+    prompt = random_tokens(seed + 4, 8, 97).tolist()
+    free = hf_greedy(hf, prompt, 30)
+    eos = next(t for t in free if free.index(t) >= 7 and free.index(t) % 5 != 0)  # not a round's last token
+    want = free[: free.index(eos) + 1]
+    with torch.no_grad():
+        hidden = hf(torch.tensor([prompt + free]), output_hidden_states=True).hidden_states[-1][0]
+    heads = OracleHeads(prompt + free, hidden, 97, 4, lambda t, k: 0, seed)
+    got, stats = impl(MEDUSA).medusa_generate(target, heads, prompt, 30, eos_id=eos)
+    assert got == want, f"{name} seed={seed} eos={eos}: expected the greedy tokens up to and including the first EOS"
+    assert stats.target_forwards == 1 + math.ceil((len(want) - 1) / 5), f"{name} seed={seed}: {stats}"
+
+
 def test_tiny_target_with_trained_heads_is_greedy_and_accepts_several_tokens(impl):
     from labkit.evaluate import heldout, load_tokenizer
     from labkit.model import load
