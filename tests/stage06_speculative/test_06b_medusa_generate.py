@@ -12,7 +12,15 @@ from stage06_medusa_helpers import OracleHeads
 
 import labkit
 from labkit import medusa
-from labkit.testing import LLAMA_CONFIGS, hf_from_labkit, hf_greedy, labkit_from_hf, random_llama, random_tokens
+from labkit.testing import (
+    LLAMA_CONFIGS,
+    hf_from_labkit,
+    hf_greedy,
+    labkit_from_hf,
+    random_family,
+    random_llama,
+    random_tokens,
+)
 
 MEDUSA = "stage06_speculative.medusa"
 NO_EOS = 10**6
@@ -49,6 +57,17 @@ def test_medusa_generate_equals_hf_greedy_with_random_heads(impl, name, seed):
     assert len(calls) == stats.target_forwards, (
         f"{name} seed={seed}: {len(calls)} target forwards but stats count {stats.target_forwards}: one per round"
     )
+
+
+@pytest.mark.parametrize("family", ["llama3.2-tied", "qwen2-tied", "qwen3-bias-untied"])
+def test_medusa_generate_equals_hf_greedy_on_other_families(impl, family):
+    """Scaled RoPE, q/k/v biases, q/k norms: the tree's positions and masks must survive each."""
+    seed = 50 + len(family)
+    hf, _ = random_family(family, seed=seed, eos_token_id=NO_EOS)
+    target, V = labkit_from_hf(hf), hf.config.vocab_size
+    prompt = random_tokens(seed, 9, V).tolist()
+    got, _ = impl(MEDUSA).medusa_generate(target, medusa.attach(target, 3), prompt, 25)  # untrained: lm_head's guess
+    assert got == hf_greedy(hf, prompt, 25), f"{family} seed={seed}: Medusa output differs from HF greedy"
 
 
 def oracle_run(impl, name: str, seed: int, n: int, rank_of, paths):
