@@ -1,12 +1,15 @@
 """Train the course's tiny models from scratch, deterministically, on the CPU.
 
-    python -m labkit.train            # tokenizer, target, then the distilled draft (~30 min, 2 cores)
+    python -m labkit.train            # tokenizer, target, distilled draft (~30 min, 2 cores), Medusa heads
     python -m labkit.train --only draft
+    python -m labkit.train --only medusa  # Medusa heads on the shipped target (14 min on a busy 2-core VM)
 
 Writes Hugging Face folders labkit/assets/tiny-target and labkit/assets/tiny-draft (bf16 weights,
 one shared byte-level BPE tokenizer) and labkit/assets/training_report.json with the figures the
 README quotes. The draft is distilled on the target's own next-token distributions (KL), which is
 what makes it agree with the target often enough for speculative decoding to pay off.
+The Medusa heads (labkit/medusa.py) learn the target's own greedy tokens 2..K+1 places ahead
+from its frozen hidden states, and go to labkit/assets/tiny-target-medusa.
 """
 
 import argparse
@@ -19,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import ASSETS, DRAFT, TARGET, corpus, evaluate
+from . import ASSETS, DRAFT, TARGET, corpus, evaluate, medusa
 from .device import pin_threads
 from .model import Config, Llama, init_weights, load, save
 
@@ -94,9 +97,93 @@ def fit(model: Llama, ids: torch.Tensor, steps: int, batch: int, peak_lr: float,
     return time.time() - t0
 
 
+MEDUSA = ASSETS / "tiny-target-medusa"
+MEDUSA_HEADS = 4
+MEDUSA_LR = 2e-3  # peak; only the heads train, the target is frozen
+
+
+@torch.no_grad()
+def target_features(target: Llama, windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's final normed hidden states (N, T, D) and its greedy next tokens (N, T) on `windows` (N, T)."""
+    hidden, greedy = [], []
+    hook = target.model.norm.register_forward_hook(lambda module, args, out: hidden.append(out.float()))
+    for x in windows.split(4):
+        greedy.append(target(x).argmax(-1))
+    hook.remove()
+    return torch.cat(hidden), torch.cat(greedy)
+
+
+def medusa_labels(greedy: torch.Tensor, k: int) -> torch.Tensor:
+    """Head k's label at position t is the target's greedy token at position t + k: what the target
+    itself would say k + 1 tokens after t. The last k positions have none. (N, T) -> (N, T - k)."""
+    return greedy[:, k:]
+
+
+def medusa_accuracy(heads: medusa.MedusaHeads, hidden: torch.Tensor, greedy: torch.Tensor) -> list[dict]:
+    """Per head: how often the target's own greedy token is its top-1 and among its top-5."""
+    out = []
+    with torch.no_grad():
+        logits = torch.cat([heads(h) for h in hidden.split(4)])  # (N, T, K, V)
+    for k in range(1, heads.num_heads + 1):
+        guess, label = logits[:, :-k, k - 1], medusa_labels(greedy, k)
+        top5 = guess.topk(5, dim=-1).indices
+        out.append(
+            {
+                "head": k,
+                "predicts": f"t+{k + 1}",
+                "top1": round((top5[..., 0] == label).float().mean().item(), 4),
+                "top5": round((top5 == label[..., None]).any(-1).float().mean().item(), 4),
+            }
+        )
+    return out
+
+
+def train_medusa(target: Llama, tokenizer, steps: int = 400, batch: int = 1024, n_windows: int = 64) -> dict:
+    """Train MEDUSA_HEADS heads on the frozen target's hidden states (cross-entropy against the target's
+    own greedy tokens k + 1 places ahead), save them to MEDUSA, and return their report."""
+    ids = evaluate.pack(tokenizer, corpus.train_texts())
+    gen = torch.Generator().manual_seed(3)
+    print(f"medusa: target features on {n_windows} windows of {SEQ} training tokens", flush=True)
+    hidden, greedy = target_features(target, windows(ids, n_windows, gen)[:, :SEQ])
+    valid_hidden, valid_greedy = target_features(target, evaluate.heldout(tokenizer, n_tokens=8 * SEQ))
+    for p in target.parameters():
+        p.requires_grad_(False)
+    heads = medusa.attach(target, MEDUSA_HEADS).train()
+    opt = torch.optim.AdamW(heads.parameters(), lr=MEDUSA_LR, weight_decay=0.0)
+    T = SEQ - MEDUSA_HEADS  # positions every head has a label for
+    t0 = time.time()
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, MEDUSA_LR, warmup=10)
+        n, t = torch.randint(0, n_windows, (batch,), generator=gen), torch.randint(0, T, (batch,), generator=gen)
+        logits = heads(hidden[n, t]).float()  # (batch, K, V)
+        loss = (
+            sum(F.cross_entropy(logits[:, k - 1], greedy[n, t + k]) for k in range(1, MEDUSA_HEADS + 1)) / MEDUSA_HEADS
+        )
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 25 == 0 or step == steps - 1:
+            print(f"  step {step:4d}/{steps}  loss {loss.item():.4f}  {time.time() - t0:6.0f}s", flush=True)
+    secs = time.time() - t0
+    heads.eval()
+    report = {
+        "heads": MEDUSA_HEADS,
+        "params": sum(p.numel() for p in heads.parameters()),
+        "steps": steps,
+        "train_seconds": round(secs),
+        "heldout_tokens": valid_greedy.numel(),
+        "accuracy_vs_target_greedy": medusa_accuracy(heads, valid_hidden, valid_greedy),
+    }
+    medusa.save(heads, MEDUSA, report)
+    return report
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["target", "draft"], help="train just one model (draft needs the target)")
+    ap.add_argument(
+        "--only", choices=["target", "draft", "medusa"], help="train just one model (draft, medusa need the target)"
+    )
     ap.add_argument("--target-steps", type=int, default=300)
     ap.add_argument("--draft-steps", type=int, default=300)
     ap.add_argument("--threads", type=int, help="torch threads (1 trains faster on a busy machine)")
@@ -106,6 +193,11 @@ def main(argv=None):
     torch.manual_seed(0)
     report_file = ASSETS / "training_report.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else {}
+    if args.only == "medusa":
+        report["medusa"] = train_medusa(load(TARGET), evaluate.load_tokenizer(TARGET))
+        report_file.write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report["medusa"], indent=2))
+        return
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -135,6 +227,8 @@ def main(argv=None):
             secs = fit(draft, ids, args.draft_steps, batch=8, peak_lr=3e-3, teacher=target, seed=2)
             save(draft, DRAFT, tok_files)
             report["draft"] = {"params": draft.num_params(), "train_seconds": round(secs), "steps": args.draft_steps}
+        if args.only is None:  # new target, new heads
+            report["medusa"] = train_medusa(target, tokenizer)
 
     report.update(evaluate.report_pair(load(TARGET), load(DRAFT), tokenizer))
     report_file.write_text(json.dumps(report, indent=2) + "\n")

@@ -196,3 +196,27 @@ def test_tiny_models_fit_the_course():
     assert size < 30e6, f"assets take {size / 1e6:.1f} MB"
     report = json.loads((labkit.ASSETS / "training_report.json").read_text())
     assert report["greedy_agreement_draft_vs_target"] >= 0.8
+
+
+def test_medusa_heads_round_trip_and_refuse_another_width(tmp_path):
+    """labkit.medusa: heads start as the identity (they repeat the lm_head), save as bf16, load back onto
+    a target, and refuse a target whose hidden size differs."""
+    from labkit import medusa
+    from labkit.checkpoint import CheckpointError
+
+    target = init_weights(Llama(Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)))  # fmt: skip
+    heads = medusa.attach(target, 3)
+    h = torch.randn(5, 32)
+    torch.testing.assert_close(heads(h), target.lm_head(h)[:, None].expand(5, 3, 64))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.1)
+    medusa.save(heads, tmp_path / "heads", {"note": "test"})
+    again = medusa.load(tmp_path / "heads", target)
+    assert "lm_head.weight" not in again.state_dict(), "the heads must not store the target's lm_head"
+    torch.testing.assert_close(again(h), heads(h), atol=2e-2, rtol=2e-2)  # bf16 weights
+    wider = Llama(Config(vocab_size=64, hidden_size=48, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=24))  # fmt: skip
+    with pytest.raises(CheckpointError, match="hidden_size 32 cannot read a target of hidden_size 48"):
+        medusa.load(tmp_path / "heads", wider)

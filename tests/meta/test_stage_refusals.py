@@ -35,3 +35,19 @@ def test_stage07_tp_model_refuses(impl, name, field):
     tp = impl("stage07_tensor_parallel.tp_model")
     with pytest.raises(CheckpointError, match=f"TPLlama does not implement {field}"):
         tp.TPLlama(model_of(name).config, rank=0, world_size=2)
+
+
+def test_stage06_medusa_refuses_a_window_a_sequence_can_outgrow(impl):
+    medusa = impl("stage06_speculative.medusa")
+    heads = lambda h: torch.zeros(2, 97)  # noqa: E731 (never reached: the prefill refuses first)
+    with pytest.raises(CheckpointError, match="stage06 medusa does not implement sliding_window=5"):
+        medusa.medusa_generate(model_of("mistral-window"), heads, [3, 4, 5], 8)
+
+
+@pytest.mark.parametrize(
+    "paths,message",
+    [([(0,), (0, 1, 0)], r"no parent \(0, 1\)"), ([(0,), (-1,)], "ranks >= 0"), ([(), (0,)], "non-empty")],
+)
+def test_stage06_medusa_tree_paths_are_checked(impl, paths, message):
+    with pytest.raises(ValueError, match=message):
+        impl("stage06_speculative.medusa").sort_paths(paths)
