@@ -16,8 +16,6 @@ import torch
 from scipy.stats import chisquare
 from stage04_helpers import PROMPT, LiveServer, make_model
 
-from labkit.impl import load
-
 SCHEMAS = [
     {
         "type": "object",
