@@ -81,7 +81,9 @@ def validity(model, tok, n: int) -> dict:
     out = {"index_build_s": round(index_s, 2), "n": n}
     prompt = 'A pet owner, as JSON: {"name": "'
     for label, guided in (("unconstrained", None), ("constrained", pattern)):
-        params = [sequence.SamplingParams(max_tokens=96, temperature=1.0, seed=i, guided_regex=guided) for i in range(n)]
+        params = [
+            sequence.SamplingParams(max_tokens=96, temperature=1.0, seed=i, guided_regex=guided) for i in range(n)
+        ]
         valid = 0
         for o in engine.generate([prompt] * n, params):
             try:
