@@ -277,7 +277,7 @@ class _NFA:
         return frozenset(seen)
 
 
-MAX_STATES = 20_000
+MAX_STATES = 4096  # the token index holds num_states x vocab entries: refuse patterns that explode
 
 
 def compile_regex(pattern: str | bytes) -> DFA:

@@ -62,6 +62,8 @@ def safe_length(text: str, stops: list[str]) -> int:
     raise NotImplementedError("stage04: safe_length — see lab.ipynb §5")
 
 
+MAX_TOKEN_INDEXES = 32  # structured output: the token indexes kept (each is num_states x vocab)
+
 # What forward_paged implements of real checkpoints' extras (labkit.model.EXTRAS).
 SUPPORTED_EXTRAS = ("attention_bias", "o_proj_bias", "mlp_bias", "qk_norm", "rope_scaling")
 
@@ -180,6 +182,8 @@ class LLMEngine:
         """The token index of a guided_regex (built once per pattern, then cached). Raises ValueError for a
         pattern byte_dfa cannot compile; the server calls it off the event loop before submitting."""
         if pattern not in self.token_indexes:
+            if len(self.token_indexes) >= MAX_TOKEN_INDEXES:  # clients send arbitrary schemas: bound the memory
+                self.token_indexes.pop(next(iter(self.token_indexes)))
             if self.tokenizer is None:
                 raise ValueError("guided_regex needs an engine with a tokenizer (tokens are matched as bytes)")
             if self._vocab_bytes is None:

@@ -190,3 +190,13 @@ def test_an_unsupported_schema_feature_gets_400_naming_it(server, endpoint, fmt,
     )
     error = r.json()["error"]
     assert feature in error["message"] and error["param"] == "response_format", error
+
+
+@pytest.mark.parametrize("pattern", ["(yes|no", "^yes$", "(a|b)*a(a|b){14}"], ids=["unbalanced", "anchor", "explodes"])
+def test_a_guided_regex_the_engine_cannot_compile_gets_400(server, pattern):
+    import httpx
+
+    body = {"prompt": PROMPT, "max_tokens": 5, "guided_regex": pattern}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert r.status_code == 400, f"{pattern!r}: {r.status_code} {r.text}"
+    assert r.json()["error"]["param"] == "guided_regex", r.json()
