@@ -76,7 +76,7 @@ def gpt2_byte_table() -> dict[str, int]:
     return {char: b for b, char in bytes_to_unicode().items()}
 
 
-@pytest.mark.parametrize("vocab_size", [854, 900, 2048])
+@pytest.mark.parametrize("vocab_size", [800, 854, 2048])
 def test_token_bytes_invert_byte_level_bpe(impl, vocab_size):
     tok = load_tokenizer(TARGET)
     table = impl("stage04_batching.structured").token_bytes(tok, vocab_size)
@@ -84,11 +84,14 @@ def test_token_bytes_invert_byte_level_bpe(impl, vocab_size):
     byte_of = gpt2_byte_table()
     special = set(tok.get_added_tokens_decoder())
     for text, i in tok.get_vocab().items():
+        if i >= vocab_size:
+            continue  # a tokenizer entry the model cannot emit
         want = None if i in special else bytes(byte_of[c] for c in text)
         assert table[i] == want, f"token {i} ({text!r}): got {table[i]!r}, want {want!r}"
     assert all(t is None for t in table[tok.get_vocab_size() :]), "ids past the tokenizer's vocabulary have no bytes"
     text = 'She said: "{\\"é\\": 1}" — ✓ ok'
     ids = tok.encode(text).ids
+    assert max(ids) < 800, "this text's tokens exist at every vocab_size tested"
     assert b"".join(table[i] for i in ids) == text.encode(), "the bytes of an encoding are the text's UTF-8 bytes"
 
 
@@ -260,6 +263,49 @@ def test_schema_regex_accepts_valid_json_and_only_valid_json(impl, seed):
             jsonschema.validate(json.loads(data), schema)
         except (ValueError, jsonschema.ValidationError) as e:
             raise AssertionError(f"seed={seed} sample {i}: {data!r} matches the regex but {e}") from None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_schema_regex_rejects_values_outside_the_schema(impl, seed):
+    """Each bound the schema sets (lengths, item counts, enum members, types, required keys) excludes the
+    JSON one step past it."""
+    rng = random.Random(seed)
+    lo_s, lo_a = rng.randint(1, 3), rng.randint(1, 2)
+    schema = {
+        "type": "object",
+        "properties": {
+            "s": {"type": "string", "minLength": lo_s, "maxLength": lo_s + rng.randint(0, 3)},
+            "a": {
+                "type": "array",
+                "items": {"type": "integer"},
+                "minItems": lo_a,
+                "maxItems": lo_a + rng.randint(0, 2),
+            },
+            "e": {"enum": rng.sample(["red", "green", "blue", 7, 2.5], 3)},
+            "i": {"type": "integer"},
+            "b": {"type": "boolean"},
+        },
+        "required": ["s", "a", "e", "i", "b"],
+    }
+    dfa = compile_regex(impl("stage04_batching.structured").schema_to_regex(schema))
+    props = schema["properties"]
+    valid = {"s": "x" * lo_s, "a": [1] * lo_a, "e": props["e"]["enum"][0], "i": -12, "b": False}
+    wrong = {
+        "s too short": {"s": "x" * (lo_s - 1)},
+        "s too long": {"s": "x" * (props["s"]["maxLength"] + 1)},
+        "a too short": {"a": [1] * (lo_a - 1)},
+        "a too long": {"a": [1] * (props["a"]["maxItems"] + 1)},
+        "a of strings": {"a": ["1"] * lo_a},
+        "e not a member": {"e": next(v for v in ["red", "green", "blue", 7, 2.5] if v not in props["e"]["enum"])},
+        "i a float": {"i": 1.5},
+        "b a string": {"b": "false"},
+    }
+    assert dfa.walk(dfa.initial, json.dumps(valid).encode()) in dfa.accepting, f"seed={seed}: {json.dumps(valid)}"
+    for what, change in wrong.items():
+        text = json.dumps({**valid, **change})
+        assert dfa.walk(dfa.initial, text.encode()) not in dfa.accepting, f"seed={seed}: {what} accepted: {text}"
+    missing = json.dumps({k: v for k, v in valid.items() if k != "i"})
+    assert dfa.walk(dfa.initial, missing.encode()) not in dfa.accepting, f"seed={seed}: a required key is missing"
 
 
 @pytest.mark.parametrize(
