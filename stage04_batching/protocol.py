@@ -18,7 +18,7 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError
 
 from .engine import RequestOutput
 from .sequence import SamplingParams
-from .structured import schema_to_regex
+from .structured import inline_refs, schema_to_regex
 
 
 def _encodable(text: str) -> str:
@@ -91,7 +91,7 @@ class SamplingRequest(BaseModel):
             return schema_to_regex({"type": "object"})
         if fmt.json_schema is None:
             raise ValueError('response_format of type "json_schema" needs a json_schema object with a schema')
-        return schema_to_regex(fmt.json_schema.schema_)
+        return schema_to_regex(inline_refs(fmt.json_schema.schema_))
 
     def to_sampling_params(self) -> SamplingParams:
         return SamplingParams(

@@ -132,6 +132,30 @@ class UnsupportedSchema(ValueError):
     """A JSON Schema feature this compiler does not implement; the message names it."""
 
 
+def inline_refs(schema: dict) -> dict:
+    """The schema with every local `$ref` ("#/$defs/Name", as pydantic and the openai client write nested
+    models) replaced by its definition and `$defs` removed, so schema_to_regex never sees a reference.
+    A recursive or non-local reference raises UnsupportedSchema (a recursive schema is not regular)."""
+    defs = {**schema.get("definitions", {}), **schema.get("$defs", {})} if isinstance(schema, dict) else {}
+
+    def resolve(node, seen: tuple[str, ...]):
+        if isinstance(node, list):
+            return [resolve(item, seen) for item in node]
+        if not isinstance(node, dict):
+            return node
+        if "$ref" in node:
+            ref = node["$ref"]
+            name = ref.rsplit("/", 1)[-1] if isinstance(ref, str) else ""
+            if ref not in (f"#/$defs/{name}", f"#/definitions/{name}") or name not in defs:
+                raise UnsupportedSchema(f"unsupported JSON Schema feature '$ref' to {ref!r} (only local #/$defs/...)")
+            if ref in seen:
+                raise UnsupportedSchema(f"unsupported JSON Schema feature '$ref': {ref!r} refers to itself")
+            return resolve(defs[name], (*seen, ref))
+        return {k: resolve(v, seen) for k, v in node.items() if k not in ("$defs", "definitions")}
+
+    return resolve(schema, ())
+
+
 def any_json(depth: int) -> str:
     """Any JSON value nested at most `depth` levels deep (JSON itself is not regular)."""
     scalar = "|".join(SCALAR.values())

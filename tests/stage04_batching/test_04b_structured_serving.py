@@ -167,6 +167,34 @@ def test_openai_client_gets_schema_valid_json_from_both_endpoints(server):
         assert isinstance(json.loads(text), dict), text
 
 
+def test_openai_client_parse_fills_a_nested_pydantic_model(server):
+    """client.chat.completions.parse sends pydantic's schema (nested models as local $refs, Literal as
+    an enum, bounds from Field) and parses the reply into the model."""
+    from typing import Literal
+
+    from openai import OpenAI
+    from pydantic import BaseModel, Field
+
+    class Owner(BaseModel):
+        id: int
+        nick: str = Field(max_length=5)
+
+    class Pet(BaseModel):
+        name: str = Field(min_length=1, max_length=8)
+        kind: Literal["cat", "dog", "owl"]
+        ages: list[int] = Field(max_length=3)
+        owner: Owner
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "A pet, please."}]
+    for seed in range(2):
+        reply = client.chat.completions.parse(
+            model="test-model", messages=messages, max_tokens=150, temperature=1.0, seed=seed, response_format=Pet
+        )
+        pet = reply.choices[0].message.parsed
+        assert isinstance(pet, Pet) and isinstance(pet.owner, Owner), f"seed={seed}: {reply.choices[0].message}"
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
 @pytest.mark.parametrize(
     "fmt, feature",
