@@ -9,6 +9,7 @@ computed, and returns what changed for streaming.
 """
 
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -172,6 +173,7 @@ class LLMEngine:
         # Structured output (part 2): token indexes by pattern; building one walks the whole vocabulary.
         self.token_indexes: dict[str | bytes, TokenIndex] = {}
         self._vocab_bytes: list[bytes | None] | None = None
+        self._index_lock = threading.Lock()  # the server builds indexes on its tokenizing thread
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
@@ -197,16 +199,17 @@ class LLMEngine:
     def token_index(self, pattern: str | bytes) -> TokenIndex:
         """The token index of a guided_regex (built once per pattern, then cached). Raises ValueError for a
         pattern byte_dfa cannot compile; the server calls it off the event loop before submitting."""
-        if pattern not in self.token_indexes:
-            if len(self.token_indexes) >= MAX_TOKEN_INDEXES:  # clients send arbitrary schemas: bound the memory
-                self.token_indexes.pop(next(iter(self.token_indexes)))
-            if self.tokenizer is None:
-                raise ValueError("guided_regex needs an engine with a tokenizer (tokens are matched as bytes)")
-            if self._vocab_bytes is None:
-                self._vocab_bytes = token_bytes(self.tokenizer, self.model.config.vocab_size)
-            dfa = compile_regex(pattern)
-            self.token_indexes[pattern] = build_token_index(dfa, self._vocab_bytes, self.model.config.eos_token_id)
-        return self.token_indexes[pattern]
+        with self._index_lock:
+            if pattern not in self.token_indexes:
+                if len(self.token_indexes) >= MAX_TOKEN_INDEXES:  # clients send arbitrary schemas: bound the memory
+                    self.token_indexes.pop(next(iter(self.token_indexes)))
+                if self.tokenizer is None:
+                    raise ValueError("guided_regex needs an engine with a tokenizer (tokens are matched as bytes)")
+                if self._vocab_bytes is None:
+                    self._vocab_bytes = token_bytes(self.tokenizer, self.model.config.vocab_size)
+                dfa = compile_regex(pattern)
+                self.token_indexes[pattern] = build_token_index(dfa, self._vocab_bytes, self.model.config.eos_token_id)
+            return self.token_indexes[pattern]
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is and free its blocks (unknown or finished ids are ignored)."""
