@@ -82,6 +82,12 @@ def create_app(
             return error(400, f"the chat template refused the messages: {e}", param)
         if not ids:
             return error(400, f"the {param} is empty", param)
+        try:  # structured output: compile the constraint (once per pattern) off the event loop
+            pattern = req.guided_pattern()
+            if pattern is not None:
+                await asyncio.get_running_loop().run_in_executor(tokenize_pool, engine.token_index, pattern)
+        except ValueError as e:
+            return error(400, str(e), "guided_regex" if req.guided_regex is not None else "response_format")
         if len(ids) + req.max_tokens > engine.max_model_len:
             return error(
                 400,

@@ -18,6 +18,7 @@ from pydantic import AfterValidator, BaseModel, Field, ValidationError
 
 from .engine import RequestOutput
 from .sequence import SamplingParams
+from .structured import inline_refs, schema_to_regex
 
 
 def _encodable(text: str) -> str:
@@ -45,6 +46,20 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    name: str | None = None
+    schema_: dict = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: "text" (unconstrained), "json_object" (any JSON object), or "json_schema"."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class SamplingRequest(BaseModel):
     """The fields both endpoints share. Unknown fields are ignored, as OpenAI and vLLM do."""
 
@@ -59,6 +74,24 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # a vLLM extension that load tests use for fixed output lengths
+    response_format: ResponseFormat | None = None  # structured output (stage 04 part 2)
+    guided_regex: Text | None = Field(None, min_length=1, max_length=4096)  # a vLLM extension
+
+    def guided_pattern(self) -> str | None:
+        """The regex the output must match, or None. Raises structured.UnsupportedSchema (a ValueError)
+        naming the schema feature it cannot compile: the route answers 400, never an unconstrained 200."""
+        fmt = self.response_format
+        if fmt is not None and self.guided_regex is not None and fmt.type != "text":
+            raise ValueError("send response_format or guided_regex, not both")
+        if self.guided_regex is not None:
+            return self.guided_regex
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            return schema_to_regex({"type": "object"})
+        if fmt.json_schema is None:
+            raise ValueError('response_format of type "json_schema" needs a json_schema object with a schema')
+        return schema_to_regex(inline_refs(fmt.json_schema.schema_))
 
     def to_sampling_params(self) -> SamplingParams:
         return SamplingParams(
@@ -69,6 +102,7 @@ class SamplingRequest(BaseModel):
             seed=self.seed,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             ignore_eos=self.ignore_eos,
+            guided_regex=self.guided_pattern(),
         )
 
 

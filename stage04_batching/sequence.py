@@ -18,6 +18,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    guided_regex: str | bytes | None = None  # structured output (part 2): the output must match this regex
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -55,6 +56,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text = ""  # detokenized output, cut at a stop string
         self.num_sent_chars = 0  # how much of `text` has been streamed
+        self.guide = None  # structured.Guide of a guided_regex request, set by the engine
         self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None

@@ -9,6 +9,7 @@ computed, and returns what changed for streaming.
 """
 
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,9 +19,11 @@ import torch
 from labkit.model import Llama, apply_rope, refuse_extras, rope_cos_sin
 
 from .block_manager import BlockManager
+from .byte_dfa import compile_regex
 from .paged_attention import PagedKVCache, paged_attention, slot_mapping
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence
+from .structured import Guide, TokenIndex, build_token_index, mask_logits, token_bytes
 
 
 @dataclass
@@ -75,6 +78,8 @@ def safe_length(text: str, stops: list[str]) -> int:
     held = max((k for s in stops for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
     return end - held
 
+
+MAX_TOKEN_INDEXES = 32  # structured output: the token indexes kept (each is num_states x vocab)
 
 # What forward_paged implements of real checkpoints' extras (labkit.model.EXTRAS).
 SUPPORTED_EXTRAS = ("attention_bias", "o_proj_bias", "mlp_bias", "qk_norm", "rope_scaling")
@@ -165,6 +170,10 @@ class LLMEngine:
         # Called with each sequence of a batch just before the forward pass; tests and
         # `labkit.loadtest --chaos` set it to make a chosen request fail inside step().
         self.fault_hook: Callable[[Sequence], None] | None = None
+        # Structured output (part 2): token indexes by pattern; building one walks the whole vocabulary.
+        self.token_indexes: dict[str | bytes, TokenIndex] = {}
+        self._vocab_bytes: list[bytes | None] | None = None
+        self._index_lock = threading.Lock()  # the server builds indexes on its tokenizing thread
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
@@ -181,9 +190,26 @@ class LLMEngine:
                 f"context length of {self.max_model_len} tokens"
             )
         seq = Sequence(request_id, ids, params)
+        if params.guided_regex is not None:
+            seq.guide = Guide(self.token_index(params.guided_regex))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
+
+    def token_index(self, pattern: str | bytes) -> TokenIndex:
+        """The token index of a guided_regex (built once per pattern, then cached). Raises ValueError for a
+        pattern byte_dfa cannot compile; the server calls it off the event loop before submitting."""
+        with self._index_lock:
+            if pattern not in self.token_indexes:
+                if len(self.token_indexes) >= MAX_TOKEN_INDEXES:  # clients send arbitrary schemas: bound the memory
+                    self.token_indexes.pop(next(iter(self.token_indexes)))
+                if self.tokenizer is None:
+                    raise ValueError("guided_regex needs an engine with a tokenizer (tokens are matched as bytes)")
+                if self._vocab_bytes is None:
+                    self._vocab_bytes = token_bytes(self.tokenizer, self.model.config.vocab_size)
+                dfa = compile_regex(pattern)
+                self.token_indexes[pattern] = build_token_index(dfa, self._vocab_bytes, self.model.config.eos_token_id)
+            return self.token_indexes[pattern]
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is and free its blocks (unknown or finished ids are ignored)."""
@@ -212,7 +238,8 @@ class LLMEngine:
         for src, dst in batch.blocks_to_copy:
             self.cache.copy_block(src, dst)
         outputs = []
-        for seq, n, row in zip(batch.seqs, batch.num_tokens, self._forward(batch.seqs, batch.num_tokens), strict=True):
+        rows = self._constrain(batch.seqs, batch.num_tokens, self._forward(batch.seqs, batch.num_tokens))
+        for seq, n, row in zip(batch.seqs, batch.num_tokens, rows, strict=True):
             try:
                 if isinstance(row, Exception):
                     raise row
@@ -221,6 +248,8 @@ class LLMEngine:
                 if seq.num_computed_tokens < seq.num_tokens:
                     continue  # a prefill chunk that has not reached the end of the prompt yet
                 seq.token_ids.append(sample(row, seq.params, seq.generator))
+                if seq.guide is not None:
+                    seq.guide.advance(seq.token_ids[-1])
                 seq.first_token_time = seq.first_token_time or time.perf_counter()
                 outputs.append(self._update(seq))
             except NotImplementedError:
@@ -257,6 +286,27 @@ class LLMEngine:
                 rows.append(e)
         return rows
 
+    def _constrain(
+        self, seqs: list[Sequence], num_tokens: list[int], rows: list[torch.Tensor | Exception]
+    ) -> list[torch.Tensor | Exception]:
+        """Mask the logits of the guided sequences that sample this step, all in one mask_logits call;
+        a guided sequence with no token left to take gets a ValueError instead of its row."""
+        due = [
+            i
+            for i, (seq, n, row) in enumerate(zip(seqs, num_tokens, rows, strict=True))
+            if seq.guide is not None
+            and not isinstance(row, Exception)
+            and seq.num_computed_tokens + n == seq.num_tokens
+        ]
+        if not due:
+            return rows  # no constraint in this batch: part 1's engine, untouched
+        masked = mask_logits(torch.stack([rows[i] for i in due]), [seqs[i].guide for i in due])
+        rows = list(rows)
+        for i, row in zip(due, masked, strict=True):
+            dead = not torch.isfinite(row).any()
+            rows[i] = ValueError("the constraint allows no token of this vocabulary here") if dead else row
+        return rows
+
     def _fail(self, seq: Sequence, e: Exception) -> RequestOutput:
         """Finish a request the engine could not serve, free its blocks, and say why."""
         if not seq.is_finished:
@@ -284,6 +334,8 @@ class LLMEngine:
         reason = None
         if seq.token_ids[-1] == self.model.config.eos_token_id and not p.ignore_eos:
             reason = "stop"
+        elif seq.guide is not None and seq.guide.is_finished:
+            reason = "stop"  # the constrained output is complete: nothing but EOS could follow
         elif len(seq.output_token_ids) >= p.max_tokens:
             reason = "length"
         if self.tokenizer is not None:

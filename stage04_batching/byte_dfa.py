@@ -1,0 +1,333 @@
+"""A regular expression compiled to a deterministic automaton over BYTES (given code).
+
+    dfa = compile_regex(r'\\{"name":"[a-z]{1,8}"\\}')
+    dfa.walk(dfa.initial, b'{"na')     # -> a live state, or None once the bytes can no longer match
+
+Tokens of a byte-level BPE are byte strings, and a token may end in the middle of a UTF-8 character,
+so the automaton reads bytes, not characters: a str pattern matches UTF-8 text (`.`, `[^"]`, `\\D`
+also take every multi-byte character, as its 2-4 bytes), a bytes pattern matches raw bytes
+(`rb"[\\x00-\\xff]*"` allows every byte string). The pattern must match the WHOLE output (fullmatch).
+
+Supported: literals and escapes (\\n \\t \\r \\f \\v \\xHH, \\d \\w \\s and their negations, `\\` before
+any punctuation), `.`, classes `[a-z_]` `[^"\\\\]`, groups `(...)` `(?:...)`, `|`, `* + ?`, `{n}`
+`{n,}` `{n,m}`. Anything else (anchors, lookaround, backreferences, lazy quantifiers) is refused with
+a ValueError naming it. Thompson's construction builds an NFA; the subset construction turns it into
+a DFA, keeping only states from which the pattern can still be completed (so a live state is
+never a dead end). outlines-dev/outlines does the same with the `interegular` package.
+"""
+
+from dataclasses import dataclass
+
+ANY = frozenset(range(256))
+CONT = frozenset(range(0x80, 0xC0))  # UTF-8 continuation bytes
+# Every well-formed multi-byte UTF-8 character, as sequences of byte sets (RFC 3629, table 3-7).
+MULTIBYTE = [
+    [frozenset(range(0xC2, 0xE0)), CONT],
+    [frozenset([0xE0]), frozenset(range(0xA0, 0xC0)), CONT],
+    [frozenset(range(0xE1, 0xED)) | {0xEE, 0xEF}, CONT, CONT],
+    [frozenset([0xED]), frozenset(range(0x80, 0xA0)), CONT],
+    [frozenset([0xF0]), frozenset(range(0x90, 0xC0)), CONT, CONT],
+    [frozenset(range(0xF1, 0xF4)), CONT, CONT, CONT],
+    [frozenset([0xF4]), frozenset(range(0x80, 0x90)), CONT, CONT],
+]
+CLASSES = {
+    "d": frozenset(b"0123456789"),
+    "w": frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_"),
+    "s": frozenset(b" \t\n\r\f\v"),
+}
+CONTROL = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v"}
+
+
+@dataclass
+class DFA:
+    transitions: list[dict[int, int]]  # state -> {byte: next state}; a byte not listed kills the match
+    accepting: set[int]
+    initial: int = 0
+
+    @property
+    def num_states(self) -> int:
+        return len(self.transitions)
+
+    def walk(self, state: int, data: bytes) -> int | None:
+        """The state after reading `data` from `state`, or None if the match dies on the way."""
+        for byte in data:
+            state = self.transitions[state].get(byte)
+            if state is None:
+                return None
+        return state
+
+
+# The parse tree: ("set", bytes) | ("seq", [nodes]) | ("alt", [nodes]) | ("rep", node, lo, hi or None)
+
+
+class _Parser:
+    def __init__(self, pattern: str | bytes):
+        self.is_bytes = isinstance(pattern, bytes)
+        self.chars = [chr(b) for b in pattern] if self.is_bytes else list(pattern)
+        self.pos = 0
+
+    def error(self, what: str) -> ValueError:
+        return ValueError(
+            f"regex: {what} at position {self.pos}; supported: literals, ., [classes], (groups), |, *, +, ?, {{n,m}}"
+        )
+
+    def peek(self) -> str | None:
+        return self.chars[self.pos] if self.pos < len(self.chars) else None
+
+    def take(self) -> str:
+        c = self.peek()
+        if c is None:
+            raise self.error("unexpected end of pattern")
+        self.pos += 1
+        return c
+
+    def parse(self):
+        node = self.alternation()
+        if self.peek() is not None:
+            raise self.error(f"unbalanced {self.peek()!r}")
+        return node
+
+    def alternation(self):
+        branches = [self.sequence()]
+        while self.peek() == "|":
+            self.take()
+            branches.append(self.sequence())
+        return branches[0] if len(branches) == 1 else ("alt", branches)
+
+    def sequence(self):
+        items = []
+        while self.peek() not in (None, "|", ")"):
+            items.append(self.repeat(self.atom()))
+        return ("seq", items)
+
+    def repeat(self, node):
+        while self.peek() in ("*", "+", "?", "{"):
+            c = self.take()
+            if c == "{":
+                lo, hi = self.braces()
+            else:
+                lo, hi = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+            if self.peek() in ("?", "+"):
+                raise self.error("lazy or possessive quantifiers are not supported")
+            node = ("rep", node, lo, hi)
+        return node
+
+    def braces(self) -> tuple[int, int | None]:
+        text = ""
+        while self.peek() != "}":
+            text += self.take()
+        self.take()
+        lo, _, hi = text.partition(",")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise self.error(f"bad repetition {{{text}}}")
+        lo_n = int(lo)
+        hi_n = lo_n if "," not in text else (int(hi) if hi else None)
+        if hi_n is not None and hi_n < lo_n:
+            raise self.error(f"bad repetition {{{text}}}")
+        return lo_n, hi_n
+
+    def atom(self):
+        c = self.take()
+        if c == "(":
+            if self.peek() == "?":
+                self.take()
+                if self.take() != ":":
+                    raise self.error("lookaround and named groups are not supported")
+            node = self.alternation()
+            if self.peek() != ")":
+                raise self.error("missing )")
+            self.take()
+            return node
+        if c == "[":
+            return self.char_class()
+        if c == ".":
+            return self.charset(self.full - {ord("\n")}, multibyte=True)
+        if c in "*+?{":
+            raise self.error(f"nothing to repeat before {c!r}")
+        if c in "^$":
+            raise self.error("anchors are not supported (the pattern always matches the whole output)")
+        item = self.escape() if c == "\\" else c
+        return self.charset(item[1], item[2]) if isinstance(item, tuple) else self.literal(item)
+
+    @property
+    def full(self) -> frozenset:
+        """What one byte-wide character can be: any byte, or for a str pattern any ASCII character."""
+        return ANY if self.is_bytes else frozenset(range(128))
+
+    def escape(self) -> str | tuple:
+        """After a backslash: one character, or ("class", single-byte members, takes multi-byte characters)."""
+        c = self.take()
+        if c.lower() in CLASSES:
+            members = CLASSES[c.lower()]
+            return ("class", members, False) if c.islower() else ("class", self.full - members, True)
+        if c in CONTROL:
+            return CONTROL[c]
+        if c == "x":
+            return chr(int(self.take() + self.take(), 16))
+        if c.isalnum():
+            raise self.error(f"escape \\{c} is not supported")
+        return c
+
+    def literal(self, c: str):
+        if self.is_bytes or ord(c) < 128:
+            return ("set", frozenset([ord(c)]))
+        return ("seq", [("set", frozenset([b])) for b in c.encode()])
+
+    def charset(self, members, multibyte: bool):
+        """Single-byte members; with `multibyte` (str patterns only), every multi-byte UTF-8 character too."""
+        node = ("set", frozenset(members))
+        if multibyte and not self.is_bytes:
+            return ("alt", [node] + [("seq", [("set", s) for s in seq]) for seq in MULTIBYTE])
+        return node
+
+    def char_class(self):
+        negate = self.peek() == "^"
+        if negate:
+            self.take()
+        members: set[int] = set()
+        wide: list[str] = []  # non-ASCII characters of a str pattern
+        multibyte = False  # a \D, \W or \S inside took every multi-byte character
+        first = True
+        while self.peek() != "]" or first:
+            first = False
+            item = self.escape() if self.take() == "\\" else self.chars[self.pos - 1]
+            if isinstance(item, tuple):
+                members |= item[1]
+                multibyte |= item[2]
+                continue
+            chars = [item]
+            if self.peek() == "-" and self.pos + 1 < len(self.chars) and self.chars[self.pos + 1] != "]":
+                self.take()
+                end = self.escape() if self.take() == "\\" else self.chars[self.pos - 1]
+                if isinstance(end, tuple) or ord(end) < ord(item):
+                    raise self.error("bad range in a class")
+                chars = [chr(o) for o in range(ord(item), ord(end) + 1)]
+            for ch in chars:
+                if self.is_bytes or ord(ch) < 128:
+                    members.add(ord(ch))
+                else:
+                    wide.append(ch)
+        self.take()
+        if negate:
+            if wide:
+                raise self.error("a negated class with non-ASCII characters is not supported")
+            return self.charset(self.full - members, not multibyte)
+        if multibyte:
+            return self.charset(members, True)
+        if len(wide) > 256:
+            raise self.error("a class with more than 256 non-ASCII characters is not supported")
+        node = ("set", frozenset(members))
+        return ("alt", [node] + [self.literal(w) for w in dict.fromkeys(wide)]) if wide else node
+
+
+class _NFA:
+    def __init__(self):
+        self.eps: list[list[int]] = []
+        self.edges: list[list[tuple[frozenset, int]]] = []
+
+    def state(self) -> int:
+        self.eps.append([])
+        self.edges.append([])
+        return len(self.eps) - 1
+
+    def build(self, node) -> tuple[int, int]:
+        """Thompson's construction: (start, end) states of the fragment matching `node`."""
+        kind = node[0]
+        start, end = self.state(), self.state()
+        if kind == "set":
+            self.edges[start].append((node[1], end))
+        elif kind == "seq":
+            cur = start
+            for child in node[1]:
+                s, e = self.build(child)
+                self.eps[cur].append(s)
+                cur = e
+            self.eps[cur].append(end)
+        elif kind == "alt":
+            for child in node[1]:
+                s, e = self.build(child)
+                self.eps[start].append(s)
+                self.eps[e].append(end)
+        else:  # rep
+            _, child, lo, hi = node
+            cur = start
+            for _ in range(lo):
+                s, e = self.build(child)
+                self.eps[cur].append(s)
+                cur = e
+            if hi is None:
+                s, e = self.build(child)
+                self.eps[cur] += [s, end]
+                self.eps[e] += [s, end]
+            else:
+                for _ in range(hi - lo):
+                    s, e = self.build(child)
+                    self.eps[cur] += [s, end]
+                    cur = e
+            self.eps[cur].append(end)
+        return start, end
+
+    def closure(self, states) -> frozenset:
+        seen, todo = set(states), list(states)
+        while todo:
+            for nxt in self.eps[todo.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return frozenset(seen)
+
+
+MAX_STATES = 4096  # the token index holds num_states x vocab entries: refuse patterns that explode
+
+
+def compile_regex(pattern: str | bytes) -> DFA:
+    """The DFA of `pattern` over bytes (fullmatch semantics). Raises ValueError for what it does not support."""
+    parser = _Parser(pattern)
+    tree = parser.parse()
+    nfa = _NFA()
+    start, end = nfa.build(tree)
+    first = nfa.closure([start])
+    ids = {first: 0}
+    sets, transitions = [first], []
+    while len(transitions) < len(sets):
+        current = sets[len(transitions)]
+        by_byte: dict[int, set[int]] = {}
+        for s in current:
+            for allowed, target in nfa.edges[s]:
+                for byte in allowed:
+                    by_byte.setdefault(byte, set()).add(target)
+        row, cache = {}, {}
+        for byte, targets in by_byte.items():
+            key = frozenset(targets)
+            if key not in cache:
+                closed = nfa.closure(targets)
+                if closed not in ids:
+                    ids[closed] = len(sets)
+                    sets.append(closed)
+                    if len(sets) > MAX_STATES:
+                        raise ValueError(f"regex: the automaton passes {MAX_STATES} states; simplify the pattern")
+                cache[key] = ids[closed]
+            row[byte] = cache[key]
+        transitions.append(row)
+    accepting = {i for i, s in enumerate(sets) if end in s}
+    return _prune(DFA(transitions, accepting))
+
+
+def _prune(dfa: DFA) -> DFA:
+    """Drop the states from which no accepting state can be reached, so every live state can still finish."""
+    reverse: list[set[int]] = [set() for _ in dfa.transitions]
+    for state, row in enumerate(dfa.transitions):
+        for target in row.values():
+            reverse[target].add(state)
+    alive, todo = set(dfa.accepting), list(dfa.accepting)
+    while todo:
+        for prev in reverse[todo.pop()]:
+            if prev not in alive:
+                alive.add(prev)
+                todo.append(prev)
+    if dfa.initial not in alive:
+        raise ValueError("regex: the pattern matches nothing")
+    keep = sorted(alive)  # state 0 (initial) stays first
+    new = {old: i for i, old in enumerate(keep)}
+    transitions = [{b: new[t] for b, t in dfa.transitions[old].items() if t in new} for old in keep]
+    return DFA(transitions, {new[s] for s in dfa.accepting}, new[dfa.initial])

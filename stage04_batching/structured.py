@@ -1,0 +1,194 @@
+"""Structured output: decoding constrained to a regular expression, or to a JSON Schema compiled to one.
+
+    dfa = compile_regex(schema_to_regex(schema))                  # byte_dfa.py (given)
+    index = build_token_index(dfa, token_bytes(tokenizer, V), eos)  # once per pattern: the expensive part
+    guide = Guide(index)                                            # one per request
+    logits = mask_logits(logits, [guide, None, ...])                # every step, the whole batch at once
+    guide.advance(token)                                            # after sampling
+
+The automaton reads bytes; the model emits tokens. The token index precomputes, for every automaton
+state, which tokens keep the match alive (walking all of a token's bytes) and where each one leads,
+so a decode step costs one row lookup per request (Willard & Louf 2023, "Efficient Guided Generation";
+outlines and vLLM's guided decoding work this way).
+"""
+
+import json
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .byte_dfa import DFA
+
+
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet: byte -> the printable character that stands for it in vocab strings.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes (space, control characters, ...)
+    are shifted to chr(256 + k) in byte order, so a leading space shows as 'Ġ' (chr(288)).
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    alphabet, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            alphabet[b] = chr(b)
+        else:
+            alphabet[b] = chr(256 + shifted)
+            shifted += 1
+    return alphabet
+
+
+def token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
+    """The bytes each token id stands for: a list of length vocab_size (the model's, which may exceed
+    the tokenizer's), None for special tokens (<s>, </s>, ...) and for ids the tokenizer does not have.
+
+    tokenizer: a byte-level BPE `tokenizers.Tokenizer` (GPT-2, Llama 3, Qwen, SmolLM). Its vocabulary
+    strings are written in byte_level_alphabet(); map every character back to its byte. A token may end
+    in the middle of a UTF-8 character, so never decode a token to str on its own.
+    Raises ValueError naming the token if a vocabulary string is not in that alphabet.
+    """
+    raise NotImplementedError("stage04: token_bytes — see lab2.ipynb §1")
+
+
+@dataclass
+class TokenIndex:
+    """For every state s of a DFA: which tokens may come next, and the state each one leads to."""
+
+    allowed: torch.Tensor  # (num_states, vocab) bool
+    next_state: torch.Tensor  # (num_states, vocab) int64; -1 where not allowed
+    initial: int  # the DFA's initial state
+    eos_token_id: int
+
+
+def build_token_index(dfa: DFA, vocab: list[bytes | None], eos_token_id: int) -> TokenIndex:
+    """The token index of `dfa` over `vocab` (from token_bytes).
+
+    allowed[s, t] is True iff reading ALL of token t's bytes from state s keeps the DFA alive (a token
+    may span several literals of the pattern, e.g. `",` ends a string and starts the separator), and
+    next_state[s, t] is the state it ends in. A token with no bytes (None, or b"") is never allowed,
+    except EOS: allowed exactly in accepting states, where it leaves the state unchanged.
+    """
+    raise NotImplementedError("stage04: build_token_index — see lab2.ipynb §2")
+
+
+class Guide:
+    """One request's position in a TokenIndex, advanced by every token it samples."""
+
+    def __init__(self, index: TokenIndex):
+        self.index = index
+        self.state = index.initial
+
+    def allowed(self) -> torch.Tensor:
+        """(vocab,) bool: the tokens this request may sample next."""
+        return self.index.allowed[self.state]
+
+    def advance(self, token_id: int) -> None:
+        nxt = int(self.index.next_state[self.state, token_id])
+        if nxt < 0:
+            raise ValueError(f"token {token_id} is not allowed in state {self.state} of the constraint")
+        self.state = nxt
+
+    @property
+    def is_finished(self) -> bool:
+        """Nothing but EOS may follow: the output is complete (a request stops here without sampling EOS)."""
+        allowed = self.allowed()
+        return int(allowed.sum()) - int(allowed[self.index.eos_token_id]) == 0
+
+
+def mask_logits(logits: torch.Tensor, guides: list[Guide | None]) -> torch.Tensor:
+    """logits (B, vocab) float32 of a batch, one guide per row (None: the row is not constrained).
+
+    Returns new logits with -inf on every token a row's guide does not allow; rows without a guide,
+    and the allowed entries, keep their values exactly. One masked_fill for the whole batch.
+    """
+    raise NotImplementedError("stage04: mask_logits — see lab2.ipynb §3")
+
+
+# JSON Schema -> regex. The building blocks are given; schema_to_regex assembles them.
+WS = "[ ]?"  # at most one space between JSON tokens: free runs of whitespace let a model ramble on
+STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'  # one character of a JSON string
+INTEGER = r"-?(?:0|[1-9][0-9]{0,15})"  # at most 16 digits, so a sampled number always ends
+NUMBER = INTEGER + r"(?:\.[0-9]{1,15})?(?:[eE][+-]?[0-9]{1,3})?"
+BOOLEAN = "(?:true|false)"
+NULL = "null"
+SCALAR = {"string": f'"{STRING_CHAR}*"', "integer": INTEGER, "number": NUMBER, "boolean": BOOLEAN, "null": NULL}
+# Keywords that only annotate, or that every output we generate already satisfies.
+ANNOTATIONS = {"title", "description", "$schema", "$id", "default", "examples", "additionalProperties"}
+SUPPORTED = {
+    "type",
+    "properties",
+    "required",
+    "enum",
+    "const",
+    "items",
+    "minItems",
+    "maxItems",
+    "minLength",
+    "maxLength",
+}
+
+
+class UnsupportedSchema(ValueError):
+    """A JSON Schema feature this compiler does not implement; the message names it."""
+
+
+def inline_refs(schema: dict) -> dict:
+    """The schema with every local `$ref` ("#/$defs/Name", as pydantic and the openai client write nested
+    models) replaced by its definition and `$defs` removed, so schema_to_regex never sees a reference.
+    A recursive or non-local reference raises UnsupportedSchema (a recursive schema is not regular)."""
+    defs = {**schema.get("definitions", {}), **schema.get("$defs", {})} if isinstance(schema, dict) else {}
+
+    def resolve(node, seen: tuple[str, ...]):
+        if isinstance(node, list):
+            return [resolve(item, seen) for item in node]
+        if not isinstance(node, dict):
+            return node
+        if "$ref" in node:
+            ref = node["$ref"]
+            name = ref.rsplit("/", 1)[-1] if isinstance(ref, str) else ""
+            if ref not in (f"#/$defs/{name}", f"#/definitions/{name}") or name not in defs:
+                raise UnsupportedSchema(f"unsupported JSON Schema feature '$ref' to {ref!r} (only local #/$defs/...)")
+            if ref in seen:
+                raise UnsupportedSchema(f"unsupported JSON Schema feature '$ref': {ref!r} refers to itself")
+            return resolve(defs[name], (*seen, ref))
+        return {k: resolve(v, seen) for k, v in node.items() if k not in ("$defs", "definitions")}
+
+    return resolve(schema, ())
+
+
+def any_json(depth: int) -> str:
+    """Any JSON value nested at most `depth` levels deep (JSON itself is not regular)."""
+    scalar = "|".join(SCALAR.values())
+    if depth == 0:
+        return f"(?:{scalar})"
+    return f"(?:{scalar}|{any_object(depth)}|{any_array(depth)})"
+
+
+def any_object(depth: int) -> str:
+    """Any JSON object whose values nest at most depth - 1 levels deeper."""
+    member = f"{SCALAR['string']}{WS}:{WS}{any_json(depth - 1)}"
+    return rf"\{{{WS}(?:{member}(?:{WS},{WS}{member})*)?{WS}\}}"
+
+
+def any_array(depth: int) -> str:
+    """Any JSON array whose items nest at most depth - 1 levels deeper."""
+    item = any_json(depth - 1)
+    return rf"\[{WS}(?:{item}(?:{WS},{WS}{item})*)?{WS}\]"
+
+
+def json_literal(value) -> str:
+    """The regex matching exactly json.dumps(value)."""
+    return re.escape(json.dumps(value))
+
+
+def schema_to_regex(schema: dict) -> str:
+    """A regex whose matches are JSON texts valid against `schema`.
+
+    Supports: type object (properties, all emitted in order; required), string (minLength, maxLength),
+    integer, number, boolean, null, array (items, minItems, maxItems), enum, const, and annotation
+    keywords (ANNOTATIONS). A schema without type/enum/const is any JSON value (any_json(2)), and an
+    object without properties any object (any_object(2)). Separators are WS; scalars use SCALAR, STRING_CHAR,
+    json_literal. Anything else (pattern, minimum, anyOf, $ref, a list of types, ...) raises
+    UnsupportedSchema naming the keyword, so no request silently runs unconstrained.
+    """
+    raise NotImplementedError("stage04: schema_to_regex — see lab2.ipynb §4")
