@@ -7,7 +7,7 @@
 A benchmark is `labkit/benchmarks/stageNN.py` (or `stageNNb.py` for a stage's part 2) with
 `main(quick: bool) -> bench.Result`: it loads its models with `model()`, times with `measure`,
 `compare` or `interleaved`, prints its tables and returns what it measured; this module saves the
-Result as bench_results/stageNN.json (+ .png). A main that returns anything else saved its own files.
+Result as bench_results/stageNN.json (+ .png).
 
 A speed claim in this course is a ratio of two variants measured in the same process, one after
 the other, as medians of repeats; never a single timing, never a timed unit test.
@@ -20,6 +20,7 @@ import importlib
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -183,22 +184,28 @@ def table(rows: list[dict], title: str = "") -> str:
     return "\n".join(out)
 
 
+def benchmark_name(stage: str) -> str:
+    """'2', '02' -> 'stage02'; '2b', '02b' -> 'stage02b' (a stage's part 2)."""
+    number = re.fullmatch(r"(\d{1,2})([a-z]?)", stage.strip().lower())
+    if not number:
+        raise SystemExit(f"stage {stage!r}: pass a stage number such as 02, 2 or 02b.")
+    return f"stage{int(number[1]):02d}{number[2]}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Run one stage's benchmark.")
     ap.add_argument("stage", help="stage number, e.g. 02, or 02b for a stage's part 2")
     ap.add_argument("--quick", action="store_true", help="fewer repeats and sizes; saved with a _quick suffix")
     args = ap.parse_args(argv)
-    name = f"stage{args.stage.zfill(2)}"
+    name = benchmark_name(args.stage)
     try:
         module = importlib.import_module(f"labkit.benchmarks.{name}")
     except ModuleNotFoundError:
         print(f"No benchmark for stage {args.stage}: labkit/benchmarks/{name}.py does not exist.", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    result = module.main(quick=args.quick)
-    if isinstance(result, Result):
-        for path in save(result, name + ("_quick" if args.quick else "")):
-            print(f"saved {path.relative_to(ROOT)}")
+    for path in save(module.main(quick=args.quick), name + ("_quick" if args.quick else "")):
+        print(f"saved {path.relative_to(ROOT)}")
     print(f"machine: {machine()}; benchmark took {time.perf_counter() - t0:.0f} s")  # after: it sets threads
     return 0
 

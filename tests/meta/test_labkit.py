@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import labkit
-from labkit import checkpoint, impl
+from labkit import bench, checkpoint, impl
 from labkit.model import Config, Llama, init_weights, load, save
 from labkit.testing import LLAMA_CONFIGS, hf_from_labkit, hf_greedy, labkit_from_hf, random_llama, random_tokens
 
@@ -167,6 +167,14 @@ def test_impl_switch(monkeypatch):
         impl.current()
     with pytest.raises(ModuleNotFoundError, match="stage name"):
         impl.load("stage99_nothing.module", impl="student")
+
+
+def test_benchmark_names_of_every_stage_row():
+    assert [bench.benchmark_name(s) for s in ("2", "02", "2b", "02B", "7")] == [
+        "stage02", "stage02", "stage02b", "stage02b", "stage07"
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match="such as 02"):
+        bench.benchmark_name("two")
 
 
 @pytest.mark.parametrize("path", [labkit.TARGET, labkit.DRAFT], ids=["target", "draft"])
