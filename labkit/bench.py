@@ -120,10 +120,10 @@ def model_folder(role: str = "MODEL") -> Path:
 
 def model(role: str = "MODEL"):
     """(labkit Llama in float32 and eval mode, a label for tables) for $MODEL or $DRAFT."""
-    from .model import load
+    from .model import from_pretrained
 
     folder = model_folder(role)
-    llama = load(folder)
+    llama = from_pretrained(folder)
     return llama, f"{folder.name} ({llama.num_params() / 1e6:.1f}M params)"
 
 

@@ -87,11 +87,11 @@ def main() -> None:
     import json
 
     from . import ASSETS, DRAFT, TARGET
-    from .model import load
+    from .model import from_pretrained
 
     report_file = ASSETS / "training_report.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else {}
-    report.update(report_pair(load(TARGET), load(DRAFT), load_tokenizer(TARGET)))
+    report.update(report_pair(from_pretrained(TARGET), from_pretrained(DRAFT), load_tokenizer(TARGET)))
     report_file.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from . import ASSETS, DRAFT, TARGET, corpus, evaluate
 from .device import pin_threads
-from .model import Config, Llama, init_weights, load, save
+from .model import Config, Llama, from_pretrained, init_weights, save
 
 VOCAB = 2048
 SEQ = 512
@@ -124,7 +124,7 @@ def main(argv=None):
             secs = fit(target, ids, args.target_steps, batch=8, peak_lr=3e-3, teacher=None, seed=1)
             save(target, TARGET, tok_files)
             report["target"] = {"params": target.num_params(), "train_seconds": round(secs), "steps": args.target_steps}
-        target = load(TARGET)
+        target = from_pretrained(TARGET)
 
         if args.only != "target":
             draft = init_weights(Llama(DRAFT_CONFIG), seed=1)
@@ -136,7 +136,7 @@ def main(argv=None):
             save(draft, DRAFT, tok_files)
             report["draft"] = {"params": draft.num_params(), "train_seconds": round(secs), "steps": args.draft_steps}
 
-    report.update(evaluate.report_pair(load(TARGET), load(DRAFT), tokenizer))
+    report.update(evaluate.report_pair(from_pretrained(TARGET), from_pretrained(DRAFT), tokenizer))
     report_file.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

@@ -22,8 +22,7 @@ from labkit import TARGET, bench, corpus, plot
 from labkit.device import pin_threads
 from labkit.evaluate import load_tokenizer, pack
 from labkit.impl import current, load
-from labkit.model import Config, Llama, init_weights
-from labkit.model import load as load_model
+from labkit.model import Config, Llama, from_pretrained, init_weights
 
 HIDDEN, HEADS, LAYERS = 256, 8, 4
 SEGMENT = 128  # tokens per perplexity point
@@ -106,7 +105,7 @@ def decode_times(contexts, repeats) -> tuple[list[dict], dict]:
 
 def eviction_perplexity(n_tokens: int, budget: int) -> dict:
     sinks = load("stage02_kv_cache.sinks")
-    model = load_model(TARGET)
+    model = from_pretrained(TARGET)
     ids = pack(load_tokenizer(TARGET), corpus.valid_texts())[: n_tokens + 1][None]
     policies = {
         "window only": sinks.SinkWindow(0),

@@ -21,7 +21,7 @@ from labkit import bench
 from labkit.device import pin_threads
 from labkit.evaluate import heldout, load_tokenizer
 from labkit.impl import load
-from labkit.model import load as load_model
+from labkit.model import from_pretrained
 from labkit.plot import setup
 
 MIXES = ("F32", "Q8_0", "Q4_K_M", "Q4_0")
@@ -119,7 +119,7 @@ def main(quick: bool = False) -> bench.Result:
             steps[("llama.cpp", mix)] = llamacpp_decode_step(llm)
             print(f"  llama.cpp {mix}: done", flush=True)
 
-        fp32 = load_model(labkit.TARGET)
+        fp32 = from_pretrained(labkit.TARGET)
         for name, model in (
             ("fp32", fp32),
             ("INT8 per-channel", ql.quantize_model(copy.deepcopy(fp32), "int8")),

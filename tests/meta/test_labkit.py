@@ -7,7 +7,7 @@ import torch
 
 import labkit
 from labkit import bench, checkpoint, impl
-from labkit.model import Config, Llama, init_weights, load, save
+from labkit.model import Config, Llama, from_pretrained, init_weights, save
 from labkit.testing import LLAMA_CONFIGS, hf_from_labkit, hf_greedy, labkit_from_hf, random_llama, random_tokens
 
 
@@ -99,7 +99,7 @@ def test_save_then_load_with_transformers_and_labkit(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model(ids), atol=1e-5, rtol=0)
-        torch.testing.assert_close(load(tmp_path / "m")(ids), model(ids), atol=0, rtol=0)
+        torch.testing.assert_close(from_pretrained(tmp_path / "m")(ids), model(ids), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -108,7 +108,7 @@ def test_loads_a_folder_written_by_save_pretrained(tmp_path, tied):
     hf.save_pretrained(tmp_path)
     ids = random_tokens(8, 10, 97, batch=1)
     with torch.no_grad():
-        torch.testing.assert_close(load(tmp_path)(ids), hf(ids).logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(from_pretrained(tmp_path)(ids), hf(ids).logits, atol=1e-5, rtol=0)
 
 
 def test_checkpoint_errors_name_the_problem(tmp_path):
@@ -134,7 +134,7 @@ def test_shape_mismatch_between_config_and_weights_is_reported(tmp_path):
     cfg["intermediate_size"] = 128
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(checkpoint.CheckpointError, match="different models"):
-        load(tmp_path)
+        from_pretrained(tmp_path)
 
 
 def test_a_failed_save_leaves_the_old_checkpoint_intact(tmp_path):
@@ -186,7 +186,7 @@ def test_tiny_models_load_offline_with_transformers(path, monkeypatch):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = tok("Once upon a time, there was a", return_tensors="pt").input_ids
     with torch.no_grad():
-        torch.testing.assert_close(load(path)(ids), hf(ids).logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(from_pretrained(path)(ids), hf(ids).logits, atol=1e-4, rtol=0)
     assert tok.decode(ids[0]) == "Once upon a time, there was a"
 
 
