@@ -129,7 +129,7 @@ def model(role: str = "MODEL"):
 
 def tokenizer(role: str = "MODEL"):
     """The tokenizer of $MODEL's (or $DRAFT's) folder."""
-    from .evaluate import load_tokenizer
+    from .checkpoint import load_tokenizer
 
     return load_tokenizer(model_folder(role))
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import ASSETS, DRAFT, TARGET, corpus, evaluate
+from . import ASSETS, DRAFT, TARGET, corpus, quality
+from .checkpoint import load_tokenizer
 from .device import pin_threads
 from .model import Config, Llama, from_pretrained, init_weights, save
 
@@ -114,8 +115,8 @@ def main(argv=None):
             tok_files = train_tokenizer(tmp)
         else:
             tok_files = [TARGET / "tokenizer.json", TARGET / "tokenizer_config.json"]
-        tokenizer = evaluate.load_tokenizer(tok_files[0].parent)
-        ids = evaluate.pack(tokenizer, corpus.train_texts())
+        tokenizer = load_tokenizer(tok_files[0].parent)
+        ids = quality.pack(tokenizer, corpus.train_texts())
         print(f"corpus: {len(ids):,} training tokens", flush=True)
 
         if args.only != "draft":
@@ -136,7 +137,7 @@ def main(argv=None):
             save(draft, DRAFT, tok_files)
             report["draft"] = {"params": draft.num_params(), "train_seconds": round(secs), "steps": args.draft_steps}
 
-    report.update(evaluate.report_pair(from_pretrained(TARGET), from_pretrained(DRAFT), tokenizer))
+    report.update(quality.report_pair(from_pretrained(TARGET), from_pretrained(DRAFT), tokenizer))
     report_file.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import uvicorn
 
 from labkit import TARGET
-from labkit.evaluate import load_tokenizer
+from labkit.checkpoint import load_tokenizer
 from labkit.loadtest import fail_on_marker
 from labkit.model import from_pretrained
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit import distributed
-from labkit.evaluate import load_tokenizer
+from labkit.checkpoint import load_tokenizer
 from labkit.model import from_pretrained
 
 from . import collectives

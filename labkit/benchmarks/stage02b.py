@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from labkit import TARGET, bench, corpus, plot
+from labkit.checkpoint import load_tokenizer
 from labkit.device import pin_threads
-from labkit.evaluate import load_tokenizer, pack
 from labkit.impl import current, load
 from labkit.model import Config, Llama, from_pretrained, init_weights
+from labkit.quality import pack
 
 HIDDEN, HEADS, LAYERS = 256, 8, 4
 SEGMENT = 128  # tokens per perplexity point

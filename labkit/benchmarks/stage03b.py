@@ -18,11 +18,12 @@ import torch
 
 import labkit
 from labkit import bench
+from labkit.checkpoint import load_tokenizer
 from labkit.device import pin_threads
-from labkit.evaluate import heldout, load_tokenizer
 from labkit.impl import load
 from labkit.model import from_pretrained
 from labkit.plot import setup
+from labkit.quality import heldout
 
 MIXES = ("F32", "Q8_0", "Q4_K_M", "Q4_0")
 CONTEXT = 64  # decode steps are timed at this position, the KV cache rewound after each

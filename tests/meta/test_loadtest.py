@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from labkit import ROOT, TARGET, impl
-from labkit.evaluate import load_tokenizer
+from labkit.checkpoint import load_tokenizer
 from labkit.loadtest import chaos, fail_on_marker, main, serving
 from labkit.model import Config, Llama, init_weights
 

@@ -9,8 +9,9 @@ import torch
 
 import labkit
 from labkit.calibration import calibration_windows
-from labkit.evaluate import heldout, load_tokenizer, perplexity
+from labkit.checkpoint import load_tokenizer
 from labkit.model import from_pretrained
+from labkit.quality import heldout, perplexity
 
 # method -> (quantize(model, calib) via the stage's modules, max perplexity increase %, max bytes / fp32 bytes)
 METHODS = {

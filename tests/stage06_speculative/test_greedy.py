@@ -115,8 +115,9 @@ def test_cache_rollback_after_rejection(impl, pair, config, seed):
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_tiny_pair_greedy_identical_and_fewer_forwards(impl, k):
-    from labkit.evaluate import heldout, load_tokenizer
+    from labkit.checkpoint import load_tokenizer
     from labkit.model import from_pretrained
+    from labkit.quality import heldout
 
     m = impl("stage06_speculative.speculative")
     target, draft = from_pretrained(labkit.TARGET), from_pretrained(labkit.DRAFT)
