@@ -217,8 +217,10 @@ def test_cached_blocks_are_evicted_under_pressure_and_outputs_stay_right(impl, s
     engine = _engine(impl, model, num_blocks=12, max_num_seqs=2)
     outs = [engine.generate([p], _params(impl, max_tokens=6))[0] for p in prompts + prompts[:2]]
     bm = engine.block_manager
-    assert len(bm.cached) <= bm.num_blocks, f"seed={seed}: more cached hashes than blocks"
-    assert all(bm.blocks[b].block_hash == h for h, b in bm.cached.items()), f"seed={seed}: a stale hash survived"
+    assert len(bm.hash_to_block_id) <= bm.num_blocks, f"seed={seed}: more cached hashes than blocks"
+    assert all(bm.blocks[b].block_hash == h for h, b in bm.hash_to_block_id.items()), (
+        f"seed={seed}: a stale hash survived"
+    )
     _check_same(outs, reference(model, prompts + prompts[:2], [6] * 12), seed, "eviction")
 
 
