@@ -175,6 +175,16 @@ def test_stage_modules_do_not_shadow_installed_packages(folder):
         assert spec is None, f"{folder}/{name}.py shadows the installed module {name!r} ({spec.origin}); rename it"
 
 
+@pytest.mark.parametrize("folder", BUILT)
+def test_test_files_are_named_test_NN_topic(folder):
+    # One style, and names unique across stages: test folders are not packages.
+    nn = folder[5:7]
+    bad = [
+        p.name for p in (ROOT / "tests" / folder).glob("test_*.py") if not re.match(rf"test_{nn}b?_\w+\.py$", p.name)
+    ]
+    assert not bad, f"tests/{folder}: rename {bad} to test_{nn}_<topic>.py (part 2: test_{nn}b_<topic>.py)"
+
+
 @pytest.mark.parametrize("folder, notebook", NOTEBOOKS)
 def test_notebook_is_committed_without_outputs(folder, notebook):
     nb = json.loads((ROOT / folder / notebook).read_text())
