@@ -5,7 +5,7 @@ from these HF models, never from the solutions."""
 import numpy as np
 import torch
 
-from .model import Config, Llama
+from .model import Config, Llama, init_weights
 
 # Configs that exercise the corners: GQA ratios 1, 2, 4, MQA, odd head counts, tied and untied.
 LLAMA_CONFIGS = {
@@ -46,6 +46,26 @@ def random_llama(seed: int = 0, **overrides):
             if "norm" not in name:
                 p.normal_(0.0, 0.08)
     return model
+
+
+def random_labkit_llama(seed: int = 0, **overrides) -> Llama:
+    """A random-init labkit Llama in float32, eval mode, for tests that need no HF twin.
+
+    The shape of random_llama (2 layers, vocab 97, 4 heads, 2 KV heads) with labkit's Config
+    defaults otherwise (tied embeddings); pass any Config field to override. head_dim follows
+    hidden_size / num_attention_heads. Weights have std 0.08, as random_llama's, so argmax ties are rare."""
+    kw = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    kw.update(overrides)
+    kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
+    return init_weights(Llama(Config(**kw)), seed=seed, std=0.08).float().eval()
 
 
 def random_gpt2(seed: int = 0, **overrides):

@@ -10,33 +10,15 @@ import time
 
 from labkit.impl import load
 from labkit.loadtest import serving
-from labkit.model import Config, Llama, init_weights
+from labkit.model import Llama
+from labkit.testing import random_labkit_llama
 
 PROMPT = "Once upon a time, there was"
 
-# GQA ratios 1, 2, 4 and MQA, odd head counts, tied and untied embeddings.
-CONFIGS = {
-    "mha-untied": dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3, tie_word_embeddings=False),
-    "gqa2-tied": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-    "gqa4-3layers": dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3),
-    "mqa-odd": dict(hidden_size=80, num_attention_heads=5, num_key_value_heads=1, tie_word_embeddings=False),
-}
-
 
 def make_model(seed: int = 0, vocab_size: int = 101, **overrides) -> Llama:
-    """A random-init labkit Llama in float32 (std 0.08 so greedy argmax ties are rare)."""
-    kw = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    kw.update(overrides)
-    kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
-    return init_weights(Llama(Config(**kw)), seed=seed, std=0.08).float().eval()
+    """labkit.testing.random_labkit_llama with the vocabulary random_prompts draws from and room for long prompts."""
+    return random_labkit_llama(seed, vocab_size=vocab_size, **{"max_position_embeddings": 512, **overrides})
 
 
 def random_prompts(seed: int, n: int, lo: int, hi: int, vocab_size: int = 101) -> list[list[int]]:

@@ -3,7 +3,9 @@ labkit's contiguous-cache model, whatever the batching, chunking, preemption or 
 
 import pytest
 import torch
-from stage04_helpers import CONFIGS, TokenCounter, make_model, random_prompts, reference
+from stage04_helpers import TokenCounter, make_model, random_prompts, reference
+
+from labkit.testing import LLAMA_CONFIGS
 
 
 def _engine(impl, model, **kw):
@@ -19,10 +21,10 @@ def _check_same(outs, ref, seed, what):
         assert o.token_ids == r, f"seed={seed}, {what}: request {i} gave {o.token_ids}, generated alone {r}"
 
 
-@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+@pytest.mark.parametrize("config", list(LLAMA_CONFIGS), ids=list(LLAMA_CONFIGS))
 def test_batched_greedy_equals_each_request_alone(impl, config):
-    seed = list(CONFIGS).index(config)
-    model = make_model(seed, **CONFIGS[config])
+    seed = list(LLAMA_CONFIGS).index(config)
+    model = make_model(seed, **LLAMA_CONFIGS[config])
     prompts = random_prompts(seed, 8, 1, 60)
     max_tokens = [5 + 4 * i for i in range(8)]
     engine = _engine(impl, model, num_blocks=64, max_num_seqs=8)
