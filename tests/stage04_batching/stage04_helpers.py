@@ -8,7 +8,6 @@ import contextlib
 import random
 import time
 
-from labkit.impl import load
 from labkit.loadtest import serving
 from labkit.model import Llama
 from labkit.testing import random_labkit_llama
@@ -51,9 +50,9 @@ class LiveServer:
     """create_app(...) served by a real uvicorn on a free loopback port (labkit.loadtest.serving), over a
     small random model; `offline` is a second engine on the same weights for reference outputs."""
 
-    def __init__(self, tokenizer, num_blocks: int = 128, **app_kw):
-        engine_mod = load("stage04_batching.engine")
-        self.api = load("stage04_batching.api_server")
+    def __init__(self, impl, tokenizer, num_blocks: int = 128, **app_kw):
+        engine_mod = impl("stage04_batching.engine")
+        self.api = impl("stage04_batching.api_server")
         self.model = make_model(7, vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=256)
         self.engine = engine_mod.LLMEngine(self.model, tokenizer, num_blocks=num_blocks, max_num_seqs=8)
         self.offline = engine_mod.LLMEngine(self.model, tokenizer, num_blocks=64)
