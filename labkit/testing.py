@@ -14,6 +14,16 @@ LLAMA_CONFIGS = {
     "gqa4-3layers": dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3),
     "mqa-odd": dict(hidden_size=80, num_attention_heads=5, num_key_value_heads=1, tie_word_embeddings=False),
 }
+# The default shape of both random Llamas: 2 layers, vocab 97, 4 query heads sharing 2 KV heads.
+TINY_LLAMA = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
 def random_llama(seed: int = 0, **overrides):
@@ -23,13 +33,7 @@ def random_llama(seed: int = 0, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     kw = dict(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        TINY_LLAMA,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=1,
@@ -51,19 +55,10 @@ def random_llama(seed: int = 0, **overrides):
 def random_labkit_llama(seed: int = 0, **overrides) -> Llama:
     """A random-init labkit Llama in float32, eval mode, for tests that need no HF twin.
 
-    The shape of random_llama (2 layers, vocab 97, 4 heads, 2 KV heads) with labkit's Config
-    defaults otherwise (tied embeddings); pass any Config field to override. head_dim follows
-    hidden_size / num_attention_heads. Weights have std 0.08, as random_llama's, so argmax ties are rare."""
-    kw = dict(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    kw.update(overrides)
+    TINY_LLAMA's shape and labkit's Config defaults otherwise (tied embeddings); pass any Config
+    field to override. head_dim follows hidden_size / num_attention_heads. Weights have std 0.08,
+    as random_llama's, so argmax ties are rare."""
+    kw = dict(TINY_LLAMA, **overrides)
     kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
     return init_weights(Llama(Config(**kw)), seed=seed, std=0.08).float().eval()
 

@@ -7,8 +7,16 @@ import torch
 
 import labkit
 from labkit import bench, checkpoint, impl
-from labkit.model import Config, Llama, from_pretrained, init_weights, save
-from labkit.testing import LLAMA_CONFIGS, hf_from_labkit, hf_greedy, labkit_from_hf, random_llama, random_tokens
+from labkit.model import Config, from_pretrained, save
+from labkit.testing import (
+    LLAMA_CONFIGS,
+    hf_from_labkit,
+    hf_greedy,
+    labkit_from_hf,
+    random_labkit_llama,
+    random_llama,
+    random_tokens,
+)
 
 
 @pytest.mark.parametrize("name", LLAMA_CONFIGS)
@@ -58,20 +66,7 @@ def test_generate_equals_hf_greedy():
 
 
 def test_hf_roundtrip_of_weights():
-    model = init_weights(
-        Llama(
-            Config(
-                vocab_size=97,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-            )
-        ),
-        seed=1,
-    )
+    model = random_labkit_llama(1, intermediate_size=128)
     ids = random_tokens(1, 11, 97, batch=1)
     with torch.no_grad():
         torch.testing.assert_close(hf_from_labkit(model)(ids).logits, model(ids), atol=1e-5, rtol=0)
@@ -80,20 +75,7 @@ def test_hf_roundtrip_of_weights():
 def test_save_then_load_with_transformers_and_labkit(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = init_weights(
-        Llama(
-            Config(
-                vocab_size=97,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=1,
-                head_dim=16,
-            )
-        ),
-        seed=2,
-    )
+    model = random_labkit_llama(2, intermediate_size=128, num_key_value_heads=1)
     save(model, tmp_path / "m", dtype=torch.float32)
     ids = random_tokens(2, 13, 97, batch=1)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
@@ -138,19 +120,7 @@ def test_shape_mismatch_between_config_and_weights_is_reported(tmp_path):
 
 
 def test_a_failed_save_leaves_the_old_checkpoint_intact(tmp_path):
-    model = init_weights(
-        Llama(
-            Config(
-                vocab_size=97,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=1,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-            )
-        )
-    )
+    model = random_labkit_llama(0, intermediate_size=128, num_hidden_layers=1)
     save(model, tmp_path / "m")
     before = (tmp_path / "m" / "model.safetensors").read_bytes()
     with pytest.raises(FileNotFoundError):
