@@ -18,7 +18,6 @@ import contextlib
 import gc
 import importlib
 import json
-import os
 import platform
 import re
 import statistics
@@ -27,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import DRAFT, ROOT, TARGET, plot
+from . import ROOT, plot
 from .plot import RESULTS
 
 
@@ -109,17 +108,9 @@ def decode_step(model, context: int = 64, tokens: int = 1):
     return step
 
 
-def model_folder(role: str = "MODEL") -> Path:
-    """The HF-format folder to benchmark: $MODEL (or $DRAFT for role="DRAFT"), else the tiny pair."""
-    default = {"MODEL": TARGET, "DRAFT": DRAFT}[role]
-    folder = Path(os.environ.get(role) or default)
-    if not (folder / "config.json").is_file():
-        raise SystemExit(f"{role}={folder} is not a model folder (no config.json); pass an HF-format Llama folder.")
-    return folder
-
-
 def model(role: str = "MODEL"):
-    """(labkit Llama in float32 and eval mode, a label for tables) for $MODEL or $DRAFT."""
+    """(labkit Llama in float32 and eval mode, a label for tables) for $MODEL or $DRAFT (default: the tiny pair)."""
+    from .checkpoint import model_folder
     from .model import from_pretrained
 
     folder = model_folder(role)
@@ -129,7 +120,7 @@ def model(role: str = "MODEL"):
 
 def tokenizer(role: str = "MODEL"):
     """The tokenizer of $MODEL's (or $DRAFT's) folder."""
-    from .checkpoint import load_tokenizer
+    from .checkpoint import load_tokenizer, model_folder
 
     return load_tokenizer(model_folder(role))
 
