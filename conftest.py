@@ -31,7 +31,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")  # session: module-scoped fixtures (a live server) use it too
 def impl():
     """impl("stage02_kv_cache.kv_cache") -> the module from the implementation in force."""
     from labkit.impl import load

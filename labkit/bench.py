@@ -7,7 +7,7 @@
 A benchmark is `labkit/benchmarks/stageNN.py` (or `stageNNb.py` for a stage's part 2) with
 `main(quick: bool) -> bench.Result`: it loads its models with `model()`, times with `measure`,
 `compare` or `interleaved`, prints its tables and returns what it measured; this module saves the
-Result as bench_results/stageNN.json (+ .png). A main that returns anything else saved its own files.
+Result as bench_results/stageNN.json (+ .png).
 
 A speed claim in this course is a ratio of two variants measured in the same process, one after
 the other, as medians of repeats; never a single timing, never a timed unit test.
@@ -18,15 +18,15 @@ import contextlib
 import gc
 import importlib
 import json
-import os
 import platform
+import re
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import DRAFT, ROOT, TARGET, plot
+from . import ROOT, plot
 from .plot import RESULTS
 
 
@@ -108,27 +108,19 @@ def decode_step(model, context: int = 64, tokens: int = 1):
     return step
 
 
-def model_folder(role: str = "MODEL") -> Path:
-    """The HF-format folder to benchmark: $MODEL (or $DRAFT for role="DRAFT"), else the tiny pair."""
-    default = {"MODEL": TARGET, "DRAFT": DRAFT}[role]
-    folder = Path(os.environ.get(role) or default)
-    if not (folder / "config.json").is_file():
-        raise SystemExit(f"{role}={folder} is not a model folder (no config.json); pass an HF-format Llama folder.")
-    return folder
-
-
 def model(role: str = "MODEL"):
-    """(labkit Llama in float32 and eval mode, a label for tables) for $MODEL or $DRAFT."""
-    from .model import load
+    """(labkit Llama in float32 and eval mode, a label for tables) for $MODEL or $DRAFT (default: the tiny pair)."""
+    from .checkpoint import model_folder
+    from .model import from_pretrained
 
     folder = model_folder(role)
-    llama = load(folder)
+    llama = from_pretrained(folder)
     return llama, f"{folder.name} ({llama.num_params() / 1e6:.1f}M params)"
 
 
 def tokenizer(role: str = "MODEL"):
     """The tokenizer of $MODEL's (or $DRAFT's) folder."""
-    from .evaluate import load_tokenizer
+    from .checkpoint import load_tokenizer, model_folder
 
     return load_tokenizer(model_folder(role))
 
@@ -183,22 +175,28 @@ def table(rows: list[dict], title: str = "") -> str:
     return "\n".join(out)
 
 
+def benchmark_name(stage: str) -> str:
+    """'2', '02' -> 'stage02'; '2b', '02b' -> 'stage02b' (a stage's part 2)."""
+    number = re.fullmatch(r"(\d{1,2})([a-z]?)", stage.strip().lower())
+    if not number:
+        raise SystemExit(f"stage {stage!r}: pass a stage number such as 02, 2 or 02b.")
+    return f"stage{int(number[1]):02d}{number[2]}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Run one stage's benchmark.")
     ap.add_argument("stage", help="stage number, e.g. 02, or 02b for a stage's part 2")
     ap.add_argument("--quick", action="store_true", help="fewer repeats and sizes; saved with a _quick suffix")
     args = ap.parse_args(argv)
-    name = f"stage{args.stage.zfill(2)}"
+    name = benchmark_name(args.stage)
     try:
         module = importlib.import_module(f"labkit.benchmarks.{name}")
     except ModuleNotFoundError:
         print(f"No benchmark for stage {args.stage}: labkit/benchmarks/{name}.py does not exist.", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    result = module.main(quick=args.quick)
-    if isinstance(result, Result):
-        for path in save(result, name + ("_quick" if args.quick else "")):
-            print(f"saved {path.relative_to(ROOT)}")
+    for path in save(module.main(quick=args.quick), name + ("_quick" if args.quick else "")):
+        print(f"saved {path.relative_to(ROOT)}")
     print(f"machine: {machine()}; benchmark took {time.perf_counter() - t0:.0f} s")  # after: it sets threads
     return 0
 

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from . import corpus
-from .evaluate import pack
 from .model import Llama, causal_mask, rope_cos_sin
+from .quality import pack
 
 
 def calibration_windows(tokenizer, n_windows: int = 8, seq: int = 256) -> torch.Tensor:

@@ -37,6 +37,16 @@ def model_folder(variable: str = "MODEL") -> Path:
     return Path(os.environ.get(variable) or defaults[variable]).expanduser()
 
 
+def load_tokenizer(path: str | os.PathLike):
+    """The `tokenizers.Tokenizer` of a model folder (tokenizer.json)."""
+    from tokenizers import Tokenizer
+
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} has no tokenizer.json; pass a folder from labkit/assets or save_pretrained.")
+    return Tokenizer.from_file(str(file))
+
+
 def read_config(path: str | os.PathLike, family: str | None = None) -> dict:
     """Read config.json; with `family` ('gpt2' or 'llama'), check the architecture matches."""
     path = Path(path)

@@ -236,7 +236,7 @@ def copy_learner_files(submission: Path, course: Path, source: Path) -> int:
     """Copy the learner-editable modules from the submission; return how many were found."""
     copied = 0
     for folder in dict.fromkeys(folder for folder, _ in STAGES.values()):
-        for path in todo.learner_files(source / folder) if (source / folder).is_dir() else []:
+        for path in todo.learner_files(source / folder):
             src = submission / folder / path.name
             if src.is_file():
                 text = src.read_text(errors="replace")

@@ -411,7 +411,7 @@ def init_weights(model: Llama, seed: int = 0, std: float = 0.02) -> Llama:
     return model
 
 
-def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Llama:
+def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Llama:
     """Load an HF folder of a supported family (ARCHITECTURES), strictly: a config field the model
     does not implement, a missing tensor, a wrong shape, or a tensor nothing reads is an error."""
     config = Config.from_hf(checkpoint.read_config(path, family="llama"))

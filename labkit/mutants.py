@@ -146,7 +146,7 @@ PRELOAD = (
     "numpy", "torch", "torch.nn.functional", "torch.distributed", "pytest", "hypothesis", "httpx", "uvicorn",
     "fastapi", "transformers", "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
     "transformers.models.mistral.modeling_mistral", "transformers.generation.logits_process", "triton",
-    "labkit.model", "labkit.testing", "labkit.calibration", "labkit.checkpoint", "labkit.evaluate",
+    "labkit.model", "labkit.testing", "labkit.calibration", "labkit.checkpoint", "labkit.quality",
 )  # fmt: skip
 
 

@@ -5,7 +5,7 @@ from these HF models, never from the solutions."""
 import numpy as np
 import torch
 
-from .model import Config, Llama
+from .model import Config, Llama, init_weights
 
 # Configs that exercise the corners: GQA ratios 1, 2, 4, MQA, odd head counts, tied and untied.
 LLAMA_CONFIGS = {
@@ -14,6 +14,16 @@ LLAMA_CONFIGS = {
     "gqa4-3layers": dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3),
     "mqa-odd": dict(hidden_size=80, num_attention_heads=5, num_key_value_heads=1, tie_word_embeddings=False),
 }
+# The default shape of both random Llamas: 2 layers, vocab 97, 4 query heads sharing 2 KV heads.
+TINY_LLAMA = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
 def random_llama(seed: int = 0, **overrides):
@@ -23,13 +33,7 @@ def random_llama(seed: int = 0, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     kw = dict(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        TINY_LLAMA,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         bos_token_id=1,
@@ -46,6 +50,17 @@ def random_llama(seed: int = 0, **overrides):
             if "norm" not in name:
                 p.normal_(0.0, 0.08)
     return model
+
+
+def random_labkit_llama(seed: int = 0, **overrides) -> Llama:
+    """A random-init labkit Llama in float32, eval mode, for tests that need no HF twin.
+
+    TINY_LLAMA's shape and labkit's Config defaults otherwise (tied embeddings); pass any Config
+    field to override. head_dim follows hidden_size / num_attention_heads. Weights have std 0.08,
+    as random_llama's, so argmax ties are rare."""
+    kw = dict(TINY_LLAMA, **overrides)
+    kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
+    return init_weights(Llama(Config(**kw)), seed=seed, std=0.08).float().eval()
 
 
 def random_gpt2(seed: int = 0, **overrides):

@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import ASSETS, DRAFT, TARGET, corpus, evaluate, medusa
+from . import ASSETS, DRAFT, TARGET, corpus, medusa, quality
+from .checkpoint import load_tokenizer
 from .device import pin_threads
-from .model import Config, Llama, init_weights, load, save
+from .model import Config, Llama, from_pretrained, init_weights, save
 
 VOCAB = 2048
 SEQ = 512
@@ -206,8 +207,8 @@ def main(argv=None):
             tok_files = train_tokenizer(tmp)
         else:
             tok_files = [TARGET / "tokenizer.json", TARGET / "tokenizer_config.json"]
-        tokenizer = evaluate.load_tokenizer(tok_files[0].parent)
-        ids = evaluate.pack(tokenizer, corpus.train_texts())
+        tokenizer = load_tokenizer(tok_files[0].parent)
+        ids = quality.pack(tokenizer, corpus.train_texts())
         print(f"corpus: {len(ids):,} training tokens", flush=True)
 
         if args.only != "draft":
@@ -216,7 +217,7 @@ def main(argv=None):
             secs = fit(target, ids, args.target_steps, batch=8, peak_lr=3e-3, teacher=None, seed=1)
             save(target, TARGET, tok_files)
             report["target"] = {"params": target.num_params(), "train_seconds": round(secs), "steps": args.target_steps}
-        target = load(TARGET)
+        target = from_pretrained(TARGET)
 
         if args.only != "target":
             draft = init_weights(Llama(DRAFT_CONFIG), seed=1)
@@ -230,7 +231,7 @@ def main(argv=None):
         if args.only is None:  # new target, new heads
             report["medusa"] = train_medusa(target, tokenizer)
 
-    report.update(evaluate.report_pair(load(TARGET), load(DRAFT), tokenizer))
+    report.update(quality.report_pair(from_pretrained(TARGET), from_pretrained(DRAFT), tokenizer))
     report_file.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

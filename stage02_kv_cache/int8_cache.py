@@ -30,13 +30,15 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 
 
 class Int8LayerCache(LayerCache):
-    """Like LayerCache, but `k`, `v` are int8 codes (B, n_kv_heads, max_seq, head_dim) and
-    `k_scale`, `v_scale` (B, n_kv_heads, max_seq, 1) float32 their per-token scales."""
+    """Like LayerCache, but `k`, `v` are int8 codes (B, n_kv_heads, max_seq_len, head_dim) and
+    `k_scale`, `v_scale` (B, n_kv_heads, max_seq_len, 1) float32 their per-token scales."""
 
-    def __init__(self, batch: int, n_kv_heads: int, max_seq: int, head_dim: int, dtype: torch.dtype = torch.float32):
-        super().__init__(batch, n_kv_heads, max_seq, head_dim, torch.int8)
-        self.k_scale = torch.zeros(batch, n_kv_heads, max_seq, 1)
-        self.v_scale = torch.zeros(batch, n_kv_heads, max_seq, 1)
+    def __init__(
+        self, batch: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype = torch.float32
+    ):
+        super().__init__(batch, n_kv_heads, max_seq_len, head_dim, torch.int8)
+        self.k_scale = torch.zeros(batch, n_kv_heads, max_seq_len, 1)
+        self.v_scale = torch.zeros(batch, n_kv_heads, max_seq_len, 1)
         self.dtype = dtype
 
     @property

@@ -9,15 +9,17 @@ import torch
 
 
 class LayerCache:
-    """K and V of one layer: `k`, `v` are (B, n_kv_heads, max_seq, head_dim), `length` slots are valid.
+    """K and V of one layer: `k`, `v` are (B, n_kv_heads, max_seq_len, head_dim), `length` slots are valid.
 
     Only the KV heads are stored (GQA): query heads share them at attention time.
     """
 
-    def __init__(self, batch: int, n_kv_heads: int, max_seq: int, head_dim: int, dtype: torch.dtype = torch.float32):
-        self.k = torch.zeros(batch, n_kv_heads, max_seq, head_dim, dtype=dtype)
-        self.v = torch.zeros(batch, n_kv_heads, max_seq, head_dim, dtype=dtype)
-        self.max_seq = max_seq
+    def __init__(
+        self, batch: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype = torch.float32
+    ):
+        self.k = torch.zeros(batch, n_kv_heads, max_seq_len, head_dim, dtype=dtype)
+        self.v = torch.zeros(batch, n_kv_heads, max_seq_len, head_dim, dtype=dtype)
+        self.max_seq_len = max_seq_len
         self.length = 0
 
     @property
@@ -41,13 +43,18 @@ class LayerCache:
 
 
 class KVCache:
-    """One `layer_type` cache per decoder layer, all advancing together."""
+    """One `layer_type` cache per decoder layer, all advancing together.
+
+    Each layer's `append` advances that layer's `length`; `KVCache.length` reads layer 0's. (The
+    given labkit.model.KVCache keeps a single `length` instead, which its model advances once
+    every layer has written.)
+    """
 
     layer_type = LayerCache
 
-    def __init__(self, config, batch: int, max_seq: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, config, batch: int, max_seq_len: int, dtype: torch.dtype = torch.float32):
         self.layers = [
-            self.layer_type(batch, config.num_key_value_heads, max_seq, config.head_dim, dtype)
+            self.layer_type(batch, config.num_key_value_heads, max_seq_len, config.head_dim, dtype)
             for _ in range(config.num_hidden_layers)
         ]
 

@@ -69,15 +69,15 @@ def project_kv_latent(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 class MLALayerCache:
-    """The latent cache of one layer: c_kv (B, max_seq, r) and k_pe (B, max_seq, p), `length` valid.
+    """The latent cache of one layer: c_kv (B, max_seq_len, r) and k_pe (B, max_seq_len, p), `length` valid.
 
     Per token it holds r + p numbers, against 2·H·head_dim for multi-head attention.
     """
 
-    def __init__(self, batch: int, max_seq: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype=torch.float32):
-        self.c_kv = torch.zeros(batch, max_seq, kv_lora_rank, dtype=dtype)
-        self.k_pe = torch.zeros(batch, max_seq, qk_rope_head_dim, dtype=dtype)
-        self.max_seq = max_seq
+    def __init__(self, batch: int, max_seq_len: int, kv_lora_rank: int, qk_rope_head_dim: int, dtype=torch.float32):
+        self.c_kv = torch.zeros(batch, max_seq_len, kv_lora_rank, dtype=dtype)
+        self.k_pe = torch.zeros(batch, max_seq_len, qk_rope_head_dim, dtype=dtype)
+        self.max_seq_len = max_seq_len
         self.length = 0
 
     @property
@@ -135,9 +135,9 @@ def mla_block(attn, x: torch.Tensor, positions: torch.Tensor, mask, cache=None, 
 class MLACache:
     """One MLALayerCache per decoder layer (given)."""
 
-    def __init__(self, config, batch: int, max_seq: int, dtype=torch.float32):
+    def __init__(self, config, batch: int, max_seq_len: int, dtype=torch.float32):
         self.layers = [
-            MLALayerCache(batch, max_seq, config.kv_lora_rank, config.qk_rope_head_dim, dtype)
+            MLALayerCache(batch, max_seq_len, config.kv_lora_rank, config.qk_rope_head_dim, dtype)
             for _ in range(config.num_hidden_layers)
         ]
 

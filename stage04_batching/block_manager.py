@@ -33,7 +33,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order, head first
-        self.cached: dict[int, int] = {}  # block_hash -> block_id
+        self.hash_to_block_id: dict[int, int] = {}  # block_hash -> block_id
 
     @property
     def num_blocks(self) -> int:

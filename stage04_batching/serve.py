@@ -12,9 +12,9 @@ from pathlib import Path
 import uvicorn
 
 from labkit import TARGET
-from labkit.evaluate import load_tokenizer
+from labkit.checkpoint import load_tokenizer
 from labkit.loadtest import fail_on_marker
-from labkit.model import load
+from labkit.model import from_pretrained
 
 from .api_server import create_app
 from .engine import LLMEngine
@@ -36,7 +36,9 @@ def main(argv=None) -> None:
     )
     args = ap.parse_args(argv)
     tokenizer = load_tokenizer(args.model)
-    engine = LLMEngine(load(args.model), tokenizer, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs)
+    engine = LLMEngine(
+        from_pretrained(args.model), tokenizer, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs
+    )
     if args.fault_marker:
         engine.fault_hook = fail_on_marker(tokenizer, args.fault_marker)
     app = create_app(

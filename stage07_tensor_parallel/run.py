@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 import labkit
 from labkit import distributed
-from labkit.evaluate import load_tokenizer
-from labkit.model import load
+from labkit.checkpoint import load_tokenizer
+from labkit.model import from_pretrained
 
 from . import collectives
 from .tp_model import TPLlama, shard_state_dict
@@ -35,7 +35,7 @@ def generate(
     on_gpu = dist.is_initialized() and dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     rank, world = collectives.rank(), collectives.world_size()
-    full = load(model_path)  # every rank reads the whole file; a big model would read only its slices
+    full = from_pretrained(model_path)  # every rank reads the whole file; a big model would read only its slices
     model = TPLlama(full.config)
     model.load_state_dict(shard_state_dict(full.state_dict(), rank, world, full.config))
     model.to(device)

@@ -2,8 +2,9 @@
 
 A test file's place is the handout section it grades: the first §k in its docstring, else the latest of the
 first sections of the stage modules it names ("stage02_kv_cache.generate" -> the first §k among generate.py's
-TODO messages). Part 2 (test_NNb_*.py, lab2.ipynb and any lab3.ipynb) follows part 1. Tests inside a file keep pytest's order,
-so module- and parameter-scoped fixtures stay grouped; folders keep theirs.
+TODO messages). Part 2 (test_NNb_*.py, lab2.ipynb and any lab3.ipynb) follows part 1. Within a section,
+test_NN_families.py (real checkpoints' architectures) runs last, the others by name. Tests inside a file keep
+pytest's order, so module- and parameter-scoped fixtures stay grouped; folders keep theirs.
 """
 
 import ast
@@ -30,14 +31,15 @@ def module_section(folder: str, name: str) -> tuple[bool, int] | None:
 
 
 @cache
-def file_section(path: Path) -> tuple[bool, int]:
+def file_section(path: Path) -> tuple[bool, int, bool]:
     text = path.read_text()
     part2 = re.match(r"test_\d\db_", path.name) is not None
     docstring = re.match(r"§(\d+)", ast.get_docstring(ast.parse(text)) or "")  # "§3–§4 positions, …"
+    families = path.stem.endswith("_families")  # needs the whole section: after its focused tests
     if docstring:
-        return part2, int(docstring.group(1))
+        return part2, int(docstring.group(1)), families
     sections = [s for s in (module_section(*ref) for ref in set(MODULE_NAME.findall(text))) if s]
-    return max(sections, default=UNPLACED)
+    return (*max(sections, default=UNPLACED), families)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,6 +50,6 @@ def pytest_collection_modifyitems(config, items):
     def key(indexed):
         i, item = indexed
         stage_test = item.path.parent.name.startswith("stage") and item.path.name.startswith("test_")
-        return folders[item.path.parent], file_section(item.path) if stage_test else (False, 0), i
+        return folders[item.path.parent], file_section(item.path) if stage_test else (False, 0, False), i
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from labkit import bench, plot
+from labkit.checkpoint import model_folder
 from labkit.device import pin_threads
 from labkit.impl import load
 
@@ -32,11 +33,12 @@ def llama_pair():
     """(label, HF model, NumPy params, numpy forward) for $MODEL's folder, the tiny target by default."""
     from transformers import AutoModelForCausalLM
 
-    folder = bench.model_folder()
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    folder = model_folder()
     llama = load("stage01_forward_numpy.llama_numpy")
+    params = llama.load_llama_params(folder)  # first: its errors say what is wrong with the folder
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     label = f"{folder.name} (Llama, {hf.num_parameters() / 1e6:.1f}M)"
-    return label, hf, llama.load_llama_params(folder), llama.llama_forward
+    return label, hf, params, llama.llama_forward
 
 
 def gpt2_small_pair():

@@ -9,8 +9,8 @@ forward pass over ~N tokens; with it, one prefill plus one-token steps.
 """
 
 from labkit import bench, plot
-from labkit.evaluate import heldout
 from labkit.impl import current, load
+from labkit.quality import heldout
 
 
 def main(quick: bool = False) -> bench.Result:

@@ -1,6 +1,6 @@
 """Stage 02 part 2 benchmark: MLA's cache and decode time, and eviction quality past the context.
 
-    python -m labkit.benchmarks.stage02b [--quick]     (LABS_IMPL=solution for the answer key)
+    make bench STAGE=02b [QUICK=1]     (IMPL=solution for the answer key)
 
 A. One random-init model shape (8 heads, hidden 256, 4 layers), three attentions: MLA decoding
    with absorbed weights, the same MLA expanding per-head K/V every step, and GQA (2 KV heads,
@@ -12,19 +12,18 @@ B. The trained tiny target on held-out stories longer than its 1,024-token conte
    keeps everything (the plain causal forward pass). Perplexity per 128-token segment.
 """
 
-import json
 import math
-import sys
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
-from labkit import ROOT, TARGET, bench, corpus, plot
-from labkit.evaluate import load_tokenizer, pack
+from labkit import TARGET, bench, corpus, plot
+from labkit.checkpoint import load_tokenizer
+from labkit.device import pin_threads
 from labkit.impl import current, load
-from labkit.model import Config, Llama, init_weights
-from labkit.model import load as load_model
+from labkit.model import Config, Llama, from_pretrained, init_weights
+from labkit.quality import pack
 
 HIDDEN, HEADS, LAYERS = 256, 8, 4
 SEGMENT = 128  # tokens per perplexity point
@@ -107,7 +106,7 @@ def decode_times(contexts, repeats) -> tuple[list[dict], dict]:
 
 def eviction_perplexity(n_tokens: int, budget: int) -> dict:
     sinks = load("stage02_kv_cache.sinks")
-    model = load_model(TARGET)
+    model = from_pretrained(TARGET)
     ids = pack(load_tokenizer(TARGET), corpus.valid_texts())[: n_tokens + 1][None]
     policies = {
         "window only": sinks.SinkWindow(0),
@@ -148,8 +147,8 @@ def eviction_perplexity(n_tokens: int, budget: int) -> dict:
     return out
 
 
-def main(quick: bool = False) -> dict:
-    torch.set_num_threads(1)
+def main(quick: bool = False) -> bench.Result:
+    pin_threads(1)
     contexts, repeats = ((64, 256), 3) if quick else ((256, 1024, 4096), 5)
     n_tokens, budget = (160, 32) if quick else (1152, 64)
     rows, bytes_per_token = decode_times(contexts, repeats)
@@ -157,18 +156,12 @@ def main(quick: bool = False) -> dict:
     for name, b in bytes_per_token.items():
         print(f"  {b:6d} B/token fp32  {name}")
     ppl = eviction_perplexity(n_tokens, budget)
-    result = {
-        "impl": current(),
-        "machine": bench.machine(),
+    figures = {
         "note": "measured while other jobs ran on the machine",
         "repeats": repeats,
-        "decode": rows,
         "kv_bytes_per_token_fp32": bytes_per_token,
         "eviction": {"n_tokens": n_tokens, "budget": budget, "segment": SEGMENT, "results": ppl},
     }
-    name = "stage02b_quick" if quick else "stage02b"
-    (ROOT / "bench_results").mkdir(exist_ok=True)
-    (ROOT / "bench_results" / f"{name}.json").write_text(json.dumps(result, indent=2))
 
     plt = plot.setup()
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
@@ -189,9 +182,4 @@ def main(quick: bool = False) -> dict:
         xlabel="position in the text", ylabel=f"perplexity ({SEGMENT}-token segment)", title=f"budget {budget} tokens"
     )
     ax3.legend()
-    print(f"wrote {plot.save(fig, name)}")
-    return result
-
-
-if __name__ == "__main__":
-    main(quick="--quick" in sys.argv[1:])
+    return bench.Result(rows, figures, fig)

@@ -17,9 +17,9 @@ from labkit import bench
 from labkit.bench import compare, decode_step, table
 from labkit.calibration import calibration_windows
 from labkit.device import pin_threads
-from labkit.evaluate import heldout
 from labkit.impl import load
 from labkit.plot import setup
+from labkit.quality import heldout
 
 GATE = dict(max_ppl_increase_pct=1.0, max_top1_disagreement=0.02)
 

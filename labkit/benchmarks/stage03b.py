@@ -10,21 +10,20 @@ Needs llama-cpp-python, which compiles llama.cpp on install: `make llamacpp` (ab
 """
 
 import copy
-import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import labkit
-from labkit.bench import gc_paused, machine, table
-from labkit.evaluate import heldout, load_tokenizer
+from labkit import bench
+from labkit.checkpoint import load_tokenizer
+from labkit.device import pin_threads
 from labkit.impl import load
-from labkit.model import load as load_model
-from labkit.plot import RESULTS, save, setup
+from labkit.model import from_pretrained
+from labkit.plot import setup
+from labkit.quality import heldout
 
 MIXES = ("F32", "Q8_0", "Q4_K_M", "Q4_0")
 CONTEXT = 64  # decode steps are timed at this position, the KV cache rewound after each
@@ -74,41 +73,11 @@ def llamacpp_decode_step(llm, context: int = CONTEXT):
     return step
 
 
-def torch_decode_step(model, context: int = CONTEXT):
-    """The same step in the course's PyTorch model: one cached token at position `context`."""
-    cache = model.new_cache(1, context + 1)
-    with torch.no_grad():
-        model(torch.ones(1, context, dtype=torch.long), cache)
-    token = torch.ones(1, 1, dtype=torch.long)
-
-    def step():
-        with torch.no_grad():
-            model(token, cache)
-        cache.truncate(context)
-
-    return step
-
-
-def interleaved_medians(steps: dict, repeats: int, warmup: int = 3) -> dict:
-    """Median seconds per call of every closure in `steps`, timed round-robin so drift hits all alike."""
-    for _ in range(warmup):
-        for fn in steps.values():
-            fn()
-    times = {key: [] for key in steps}
-    with gc_paused():
-        for _ in range(repeats):
-            for key, fn in steps.items():
-                t0 = time.perf_counter()
-                fn()
-                times[key].append(time.perf_counter() - t0)
-    return {key: statistics.median(t) for key, t in times.items()}
-
-
-def main(quick: bool = False) -> None:
+def main(quick: bool = False) -> bench.Result:
     require_llama_cpp()
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(1)  # llama.cpp runs on one thread too: the comparison is per core
+    pin_threads(1)  # llama.cpp runs on one thread too: the comparison is per core
     export = load("stage03_quantization.gguf_export")
     ql = load("stage03_quantization.quant_linear")
     tokenizer = load_tokenizer(labkit.TARGET)
@@ -151,22 +120,26 @@ def main(quick: bool = False) -> None:
             steps[("llama.cpp", mix)] = llamacpp_decode_step(llm)
             print(f"  llama.cpp {mix}: done", flush=True)
 
-        fp32 = load_model(labkit.TARGET)
+        fp32 = from_pretrained(labkit.TARGET)
         for name, model in (
             ("fp32", fp32),
             ("INT8 per-channel", ql.quantize_model(copy.deepcopy(fp32), "int8")),
             ("RTN INT4 g128", ql.quantize_model(copy.deepcopy(fp32), "rtn", 4, 128)),
         ):
-            steps[("course (PyTorch)", name)] = torch_decode_step(model)
+            steps[("course (PyTorch)", name)] = bench.decode_step(model, CONTEXT)
             rows.append({"engine": "course (PyTorch)", "format": name, "file MB": "", "bits/weight": "",
                          "ppl": f"{ppl_hf:.4f}" if name == "fp32" else "", "ppl Δ% vs HF": "", "KL vs HF fp32": "",
                          "top-1 agree": ""})  # fmt: skip
-        seconds = interleaved_medians(steps, repeats)
+        seconds = {key: t.median for key, t in bench.interleaved(steps, repeats, warmup=3).items()}
     for r in rows:
         r["decode tok/s"] = round(1 / seconds[(r["engine"], r["format"])], 1)
         r["vs course fp32"] = round(seconds[("course (PyTorch)", "fp32")] / seconds[(r["engine"], r["format"])], 2)
 
-    print(table(rows, title=f"Stage 03b: GGUF files of the tiny target in llama.cpp ({len(windows)} windows of {seq})"))
+    print(
+        bench.table(
+            rows, title=f"Stage 03b: GGUF files of the tiny target in llama.cpp ({len(windows)} windows of {seq})"
+        )
+    )
     q4km, q8 = (next(r for r in rows if r["format"] == f) for f in ("Q4_K_M", "Q8_0"))
     print(
         f"Q4_K_M vs Q8_0: perplexity {q4km['ppl']} vs {q8['ppl']} "
@@ -175,10 +148,8 @@ def main(quick: bool = False) -> None:
         "Perplexity uses llama.cpp's logits; the course's INT8/INT4 rows are stage 03's PyTorch layers, which "
         "dequantize the whole weight on every call. Bits/weight count the whole file (fp32 norms, metadata)."
     )
-    RESULTS.mkdir(exist_ok=True)
-    out = {"machine": machine(), "windows": len(windows), "seq": seq, "threads": 1, "rows": rows}
-    (RESULTS / "stage03b.json").write_text(json.dumps(out, indent=2, ensure_ascii=False))
-    print(f"saved {_plot(rows)} and {RESULTS / 'stage03b.json'}")
+    figures = {"windows": len(windows), "seq": seq, "threads": 1, "note": "measured while other jobs ran"}
+    return bench.Result(rows, figures, _plot(rows))
 
 
 def _plot(rows: list[dict]):
@@ -197,4 +168,4 @@ def _plot(rows: list[dict]):
     b.set_yticks(range(len(rows)), labels, fontsize=8)
     b.invert_yaxis()
     b.set(xlabel="decode tokens/s (batch 1, 1 thread)", title="decode speed (measured while other jobs ran)")
-    return save(fig, "stage03b")
+    return fig

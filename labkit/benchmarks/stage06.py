@@ -18,8 +18,8 @@ import torch
 
 from labkit import bench, plot
 from labkit.device import pin_threads
-from labkit.evaluate import heldout
 from labkit.impl import current, load
+from labkit.quality import heldout
 from labkit.testing import hf_from_labkit
 
 

@@ -32,13 +32,15 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 
 
 class Int8LayerCache(LayerCache):
-    """Like LayerCache, but `k`, `v` are int8 codes (B, n_kv_heads, max_seq, head_dim) and
-    `k_scale`, `v_scale` (B, n_kv_heads, max_seq, 1) float32 their per-token scales."""
+    """Like LayerCache, but `k`, `v` are int8 codes (B, n_kv_heads, max_seq_len, head_dim) and
+    `k_scale`, `v_scale` (B, n_kv_heads, max_seq_len, 1) float32 their per-token scales."""
 
-    def __init__(self, batch: int, n_kv_heads: int, max_seq: int, head_dim: int, dtype: torch.dtype = torch.float32):
-        super().__init__(batch, n_kv_heads, max_seq, head_dim, torch.int8)
-        self.k_scale = torch.zeros(batch, n_kv_heads, max_seq, 1)
-        self.v_scale = torch.zeros(batch, n_kv_heads, max_seq, 1)
+    def __init__(
+        self, batch: int, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype = torch.float32
+    ):
+        super().__init__(batch, n_kv_heads, max_seq_len, head_dim, torch.int8)
+        self.k_scale = torch.zeros(batch, n_kv_heads, max_seq_len, 1)
+        self.v_scale = torch.zeros(batch, n_kv_heads, max_seq_len, 1)
         self.dtype = dtype
 
     @property
@@ -52,9 +54,9 @@ class Int8LayerCache(LayerCache):
         Same overflow error as LayerCache.append.
         """
         end = self.length + k.shape[2]
-        if end > self.max_seq:
+        if end > self.max_seq_len:
             raise ValueError(
-                f"KV cache overflow: {self.length} cached + {k.shape[2]} new tokens > max_seq={self.max_seq}; "
+                f"KV cache overflow: {self.length} cached + {k.shape[2]} new tokens > max_seq_len={self.max_seq_len}; "
                 "allocate the cache for prompt + max_new_tokens"
             )
         self.k[:, :, self.length : end], self.k_scale[:, :, self.length : end] = quantize_int8(k)

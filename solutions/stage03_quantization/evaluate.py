@@ -1,6 +1,6 @@
 """Measure a quantized model against its float baseline, and decide whether it may ship.
 
-Perplexity and decode speed come from labkit.evaluate; what this module adds is the comparison
+Perplexity and decode speed come from labkit.quality; what this module adds is the comparison
 with the baseline (KL divergence and top-1 agreement of the next-token distributions) and the
 deploy gate of the serving guide: a candidate passes only if every check is within its bound.
 """
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.evaluate import decode_step_seconds, perplexity
+from labkit.quality import decode_step_seconds, perplexity
 
 
 @dataclass

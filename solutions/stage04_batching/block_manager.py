@@ -33,7 +33,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # LRU order, head first
-        self.cached: dict[int, int] = {}  # block_hash -> block_id
+        self.hash_to_block_id: dict[int, int] = {}  # block_hash -> block_id
 
     @property
     def num_blocks(self) -> int:
@@ -53,8 +53,8 @@ class BlockManager:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:
-            if self.cached.get(block.block_hash) == block_id:
-                del self.cached[block.block_hash]
+            if self.hash_to_block_id.get(block.block_hash) == block_id:
+                del self.hash_to_block_id[block.block_hash]
             block.block_hash, block.token_ids = None, ()
         block.ref_count = 1
         return block
@@ -71,7 +71,7 @@ class BlockManager:
         for i in range((len(token_ids) - 1) // self.block_size):
             chunk = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             parent = hash_block(parent, chunk)
-            block_id = self.cached.get(parent)
+            block_id = self.hash_to_block_id.get(parent)
             if block_id is None or self.blocks[block_id].token_ids != chunk:
                 break
             hits.append(block_id)
@@ -141,7 +141,7 @@ class BlockManager:
             parent = self.blocks[seq.block_table[i - 1]].block_hash if i else None
             block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             block.block_hash = hash_block(parent, block.token_ids)
-            self.cached.setdefault(block.block_hash, block.block_id)
+            self.hash_to_block_id.setdefault(block.block_hash, block.block_id)
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references. Blocks nobody owns go back to the queue: uncached ones at the

@@ -24,7 +24,7 @@ def add(a: int, b: int) -> int:
 """
 SOLUTION = "def sub(a, b):\n    return a - b\n\n\ndef add(a, b):\n    return a + b\n"
 TESTS = {
-    "test_toy.py": """
+    "test_01_toy.py": """
 def test_sub_is_exact(impl):
     assert impl("stage01_forward_numpy.toy").sub(2, 3) == -1
 

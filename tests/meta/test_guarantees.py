@@ -19,7 +19,7 @@ from labkit.junit import run_pytest
 
 BUILT = list(dict.fromkeys(folder for folder, _ in STAGES.values()))  # a part-2 row shares its stage's folder
 NOTEBOOKS = [(folder, nb.name) for folder in BUILT for nb in sorted((ROOT / folder).glob("*.ipynb"))]
-NOTEBOOK_BUDGET_S = 120  # wall seconds a handout may take to run top to bottom in CI
+NOTEBOOK_BUDGET_S = 60  # wall seconds a handout may take top to bottom on a quiet 2-core machine (CONTRIBUTING)
 needs_solutions = pytest.mark.skipif(
     not (ROOT / "solutions").is_dir(), reason="the learner edition has no solutions/ to compare against"
 )
@@ -173,6 +173,16 @@ def test_stage_modules_do_not_shadow_installed_packages(folder):
     for name in (p.stem for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"):
         spec = importlib.util.find_spec(name)
         assert spec is None, f"{folder}/{name}.py shadows the installed module {name!r} ({spec.origin}); rename it"
+
+
+@pytest.mark.parametrize("folder", BUILT)
+def test_test_files_are_named_test_NN_topic(folder):
+    # One style, and names unique across stages: test folders are not packages.
+    nn = folder[5:7]
+    bad = [
+        p.name for p in (ROOT / "tests" / folder).glob("test_*.py") if not re.match(rf"test_{nn}b?_\w+\.py$", p.name)
+    ]
+    assert not bad, f"tests/{folder}: rename {bad} to test_{nn}_<topic>.py (part 2: test_{nn}b_<topic>.py)"
 
 
 @pytest.mark.parametrize("folder, notebook", NOTEBOOKS)

@@ -6,9 +6,17 @@ import pytest
 import torch
 
 import labkit
-from labkit import checkpoint, impl
-from labkit.model import Config, Llama, init_weights, load, save
-from labkit.testing import LLAMA_CONFIGS, hf_from_labkit, hf_greedy, labkit_from_hf, random_llama, random_tokens
+from labkit import bench, checkpoint, impl
+from labkit.model import Config, from_pretrained, save
+from labkit.testing import (
+    LLAMA_CONFIGS,
+    hf_from_labkit,
+    hf_greedy,
+    labkit_from_hf,
+    random_labkit_llama,
+    random_llama,
+    random_tokens,
+)
 
 
 @pytest.mark.parametrize("name", LLAMA_CONFIGS)
@@ -58,20 +66,7 @@ def test_generate_equals_hf_greedy():
 
 
 def test_hf_roundtrip_of_weights():
-    model = init_weights(
-        Llama(
-            Config(
-                vocab_size=97,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-            )
-        ),
-        seed=1,
-    )
+    model = random_labkit_llama(1, intermediate_size=128)
     ids = random_tokens(1, 11, 97, batch=1)
     with torch.no_grad():
         torch.testing.assert_close(hf_from_labkit(model)(ids).logits, model(ids), atol=1e-5, rtol=0)
@@ -80,26 +75,13 @@ def test_hf_roundtrip_of_weights():
 def test_save_then_load_with_transformers_and_labkit(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = init_weights(
-        Llama(
-            Config(
-                vocab_size=97,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=1,
-                head_dim=16,
-            )
-        ),
-        seed=2,
-    )
+    model = random_labkit_llama(2, intermediate_size=128, num_key_value_heads=1)
     save(model, tmp_path / "m", dtype=torch.float32)
     ids = random_tokens(2, 13, 97, batch=1)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(hf(ids).logits, model(ids), atol=1e-5, rtol=0)
-        torch.testing.assert_close(load(tmp_path / "m")(ids), model(ids), atol=0, rtol=0)
+        torch.testing.assert_close(from_pretrained(tmp_path / "m")(ids), model(ids), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -108,7 +90,7 @@ def test_loads_a_folder_written_by_save_pretrained(tmp_path, tied):
     hf.save_pretrained(tmp_path)
     ids = random_tokens(8, 10, 97, batch=1)
     with torch.no_grad():
-        torch.testing.assert_close(load(tmp_path)(ids), hf(ids).logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(from_pretrained(tmp_path)(ids), hf(ids).logits, atol=1e-5, rtol=0)
 
 
 def test_checkpoint_errors_name_the_problem(tmp_path):
@@ -134,23 +116,11 @@ def test_shape_mismatch_between_config_and_weights_is_reported(tmp_path):
     cfg["intermediate_size"] = 128
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(checkpoint.CheckpointError, match="different models"):
-        load(tmp_path)
+        from_pretrained(tmp_path)
 
 
 def test_a_failed_save_leaves_the_old_checkpoint_intact(tmp_path):
-    model = init_weights(
-        Llama(
-            Config(
-                vocab_size=97,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=1,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-            )
-        )
-    )
+    model = random_labkit_llama(0, intermediate_size=128, num_hidden_layers=1)
     save(model, tmp_path / "m")
     before = (tmp_path / "m" / "model.safetensors").read_bytes()
     with pytest.raises(FileNotFoundError):
@@ -169,6 +139,14 @@ def test_impl_switch(monkeypatch):
         impl.load("stage99_nothing.module", impl="student")
 
 
+def test_benchmark_names_of_every_stage_row():
+    assert [bench.benchmark_name(s) for s in ("2", "02", "2b", "02B", "7")] == [
+        "stage02", "stage02", "stage02b", "stage02b", "stage07"
+    ]  # fmt: skip
+    with pytest.raises(SystemExit, match="such as 02"):
+        bench.benchmark_name("two")
+
+
 @pytest.mark.parametrize("path", [labkit.TARGET, labkit.DRAFT], ids=["target", "draft"])
 def test_tiny_models_load_offline_with_transformers(path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -178,7 +156,7 @@ def test_tiny_models_load_offline_with_transformers(path, monkeypatch):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = tok("Once upon a time, there was a", return_tensors="pt").input_ids
     with torch.no_grad():
-        torch.testing.assert_close(load(path)(ids), hf(ids).logits, atol=1e-4, rtol=0)
+        torch.testing.assert_close(from_pretrained(path)(ids), hf(ids).logits, atol=1e-4, rtol=0)
     assert tok.decode(ids[0]) == "Once upon a time, there was a"
 
 

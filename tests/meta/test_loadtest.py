@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from labkit import ROOT, TARGET, impl
-from labkit.evaluate import load_tokenizer
+from labkit.checkpoint import load_tokenizer
 from labkit.loadtest import chaos, fail_on_marker, main, serving
-from labkit.model import Config, Llama, init_weights
+from labkit.testing import random_labkit_llama
 
 pytestmark = pytest.mark.skipif(
     not (ROOT / "solutions").is_dir(),
@@ -22,17 +22,7 @@ pytestmark = pytest.mark.skipif(
 def reference_server():
     """The solution's server over a small random model with the tiny target's tokenizer and the fault hook."""
     tokenizer = load_tokenizer(TARGET)
-    config = Config(
-        vocab_size=tokenizer.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    )
-    model = init_weights(Llama(config), seed=0, std=0.08).float().eval()
+    model = random_labkit_llama(0, vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=512)
     engine = impl.load("stage04_batching.engine", impl="solution").LLMEngine(model, tokenizer, num_blocks=256)
     engine.fault_hook = fail_on_marker(tokenizer)
     app = impl.load("stage04_batching.api_server", impl="solution").create_app(engine, tokenizer, max_waiting=256)

@@ -2,7 +2,7 @@
 
 Each family is a random-init HF model built from a real checkpoint's config.json fields (shrunk,
 every flag kept; see labkit.testing.FAMILY_CONFIGS), saved as a folder and loaded back through
-labkit.model.load, the path a learner's downloaded checkpoint takes.
+labkit.model.from_pretrained, the path a learner's downloaded checkpoint takes.
 """
 
 import dataclasses
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from labkit import checkpoint
-from labkit.model import Config, load
+from labkit.model import Config, from_pretrained
 from labkit.testing import (
     FAMILY_CONFIGS,
     family_config_json,
@@ -36,7 +36,7 @@ def folders(tmp_path_factory):
 @pytest.mark.parametrize("name", FAMILY_CONFIGS)
 def test_logits_equal_hf(folders, name):
     path, hf = folders[name]
-    model = load(path)
+    model = from_pretrained(path)
     ids = random_tokens(SEED, T, model.config.vocab_size, batch=2)
     with torch.no_grad():
         err = relative_error(model(ids), hf(ids).logits)
@@ -47,7 +47,7 @@ def test_logits_equal_hf(folders, name):
 def test_the_feature_matters_at_test_lengths(folders, name):
     """Dropping the RoPE scaling or the window must change the logits, or the parity test above proves nothing."""
     path, hf = folders[name]
-    model = load(path)
+    model = from_pretrained(path)
     plain = type(model)(dataclasses.replace(model.config, rope_scaling=None, sliding_window=None))
     plain.load_state_dict(model.state_dict())
     ids = random_tokens(SEED, T, model.config.vocab_size, batch=1)
@@ -59,7 +59,9 @@ def test_the_feature_matters_at_test_lengths(folders, name):
 def test_cached_generate_equals_hf_greedy(folders, name):
     path, hf = folders[name]
     prompt = random_tokens(SEED + 1, 7, 101).tolist()
-    assert load(path).generate(prompt, 12, stop_at_eos=False) == hf_greedy(hf, prompt, 12), f"{name} seed={SEED}"
+    assert from_pretrained(path).generate(prompt, 12, stop_at_eos=False) == hf_greedy(hf, prompt, 12), (
+        f"{name} seed={SEED}"
+    )
 
 
 def test_config_round_trips_through_to_hf():
@@ -113,7 +115,7 @@ def test_a_tensor_nothing_reads_is_an_error_naming_it(folders, tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "m" / "model.safetensors").symlink_to(path / "model.safetensors")
     with pytest.raises(checkpoint.CheckpointError, match=r"model\.layers\.0\.self_attn\.k_proj\.bias"):
-        load(tmp_path / "m")
+        from_pretrained(tmp_path / "m")
 
 
 def test_a_tied_copy_that_differs_is_refused(folders, tmp_path):
@@ -125,16 +127,16 @@ def test_a_tied_copy_that_differs_is_refused(folders, tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     save_file(load_file(path / "model.safetensors"), tmp_path / "m" / "model.safetensors")
     with pytest.raises(checkpoint.CheckpointError, match="tie_word_embeddings"):
-        load(tmp_path / "m")
+        from_pretrained(tmp_path / "m")
 
 
 def test_a_model_too_big_for_memory_is_refused_before_loading(folders, monkeypatch):
     path, _ = folders["llama3-4x-layout"]
     monkeypatch.setattr(checkpoint, "available_memory", lambda: 1000)
     with pytest.raises(checkpoint.CheckpointError, match="GiB of RAM"):
-        load(path)
+        from_pretrained(path)
     monkeypatch.setenv("LABKIT_MEMORY_CHECK", "0")
-    load(path)
+    from_pretrained(path)
 
 
 def test_num_params_matches_the_model():
@@ -154,7 +156,7 @@ def test_a_big_sharded_folder_reports_each_shard_and_loads_exactly(tmp_path, mon
     n_shards = len(set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values()))
     assert n_shards > 1
     monkeypatch.setattr(checkpoint, "PROGRESS_BYTES", 0)  # every folder counts as big
-    model = load(tmp_path)
+    model = from_pretrained(tmp_path)
     err = capsys.readouterr().err
     assert f"shard {n_shards}/{n_shards}" in err and "GiB" in err, err
     ids = random_tokens(SEED, T, model.config.vocab_size, batch=1)

@@ -62,7 +62,7 @@ def course(tmp_path_factory):
         notebook = json.dumps(NOTEBOOK).replace("{module}", module).replace("{name}", name)
         write(root / "stage02_kv_cache" / ("lab.ipynb" if module == "toy" else "lab2.ipynb"), notebook)
     write(
-        root / "tests" / "stage02_kv_cache" / "test_toy.py",
+        root / "tests" / "stage02_kv_cache" / "test_02_toy.py",
         "def test_double(impl):\n    assert impl('stage02_kv_cache.toy').double(3) == 6\n",
     )
     write(

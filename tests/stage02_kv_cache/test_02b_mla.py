@@ -132,7 +132,7 @@ def test_02b_mla_cache_holds_only_the_normed_latent_and_rotated_rope_key(impl, n
         ):
             err = relative_error(got[:, :13], ref[:, 0])
             assert err < 1e-4, f"seed={seed} config={name} layer {i}: cached {what} rel. err {err:.2e} vs transformers"
-    with pytest.raises(ValueError, match="max_seq"):
+    with pytest.raises(ValueError, match="max_seq_len"):
         mla.forward(hf, ids[:, :4], cache)
 
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import labkit
-from labkit.evaluate import heldout, load_tokenizer
+from labkit.checkpoint import load_tokenizer
+from labkit.quality import heldout
 
 pytestmark = pytest.mark.slow
 

@@ -8,35 +8,16 @@ import contextlib
 import random
 import time
 
-from labkit.impl import load
 from labkit.loadtest import serving
-from labkit.model import Config, Llama, init_weights
+from labkit.model import Llama
+from labkit.testing import random_labkit_llama
 
 PROMPT = "Once upon a time, there was"
 
-# GQA ratios 1, 2, 4 and MQA, odd head counts, tied and untied embeddings.
-CONFIGS = {
-    "mha-untied": dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3, tie_word_embeddings=False),
-    "gqa2-tied": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
-    "gqa4-3layers": dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3),
-    "mqa-odd": dict(hidden_size=80, num_attention_heads=5, num_key_value_heads=1, tie_word_embeddings=False),
-}
-
 
 def make_model(seed: int = 0, vocab_size: int = 101, **overrides) -> Llama:
-    """A random-init labkit Llama in float32 (std 0.08 so greedy argmax ties are rare)."""
-    kw = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-    )
-    kw.update(overrides)
-    kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
-    return init_weights(Llama(Config(**kw)), seed=seed, std=0.08).float().eval()
+    """labkit.testing.random_labkit_llama with the vocabulary random_prompts draws from and room for long prompts."""
+    return random_labkit_llama(seed, vocab_size=vocab_size, **{"max_position_embeddings": 512, **overrides})
 
 
 def random_prompts(seed: int, n: int, lo: int, hi: int, vocab_size: int = 101) -> list[list[int]]:
@@ -69,9 +50,9 @@ class LiveServer:
     """create_app(...) served by a real uvicorn on a free loopback port (labkit.loadtest.serving), over a
     small random model; `offline` is a second engine on the same weights for reference outputs."""
 
-    def __init__(self, tokenizer, num_blocks: int = 128, **app_kw):
-        engine_mod = load("stage04_batching.engine")
-        self.api = load("stage04_batching.api_server")
+    def __init__(self, impl, tokenizer, num_blocks: int = 128, **app_kw):
+        engine_mod = impl("stage04_batching.engine")
+        self.api = impl("stage04_batching.api_server")
         self.model = make_model(7, vocab_size=tokenizer.get_vocab_size(), max_position_embeddings=256)
         self.engine = engine_mod.LLMEngine(self.model, tokenizer, num_blocks=num_blocks, max_num_seqs=8)
         self.offline = engine_mod.LLMEngine(self.model, tokenizer, num_blocks=64)

@@ -29,7 +29,7 @@ def check_invariants(bm, live, msg):
         assert (block.block_id in free) == (block.ref_count == 0), (
             f"{msg}: block {block.block_id} (ref_count {block.ref_count}) must be free exactly when nobody owns it"
         )
-    for h, block_id in bm.cached.items():
+    for h, block_id in bm.hash_to_block_id.items():
         assert bm.blocks[block_id].block_hash == h, f"{msg}: stale hash {h} maps to block {block_id}, reused since"
     bs = bm.block_size
     for s in live:

@@ -3,7 +3,9 @@ labkit's contiguous-cache model, whatever the batching, chunking, preemption or 
 
 import pytest
 import torch
-from stage04_helpers import CONFIGS, TokenCounter, make_model, random_prompts, reference
+from stage04_helpers import TokenCounter, make_model, random_prompts, reference
+
+from labkit.testing import LLAMA_CONFIGS
 
 
 def _engine(impl, model, **kw):
@@ -19,10 +21,10 @@ def _check_same(outs, ref, seed, what):
         assert o.token_ids == r, f"seed={seed}, {what}: request {i} gave {o.token_ids}, generated alone {r}"
 
 
-@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+@pytest.mark.parametrize("config", list(LLAMA_CONFIGS), ids=list(LLAMA_CONFIGS))
 def test_batched_greedy_equals_each_request_alone(impl, config):
-    seed = list(CONFIGS).index(config)
-    model = make_model(seed, **CONFIGS[config])
+    seed = list(LLAMA_CONFIGS).index(config)
+    model = make_model(seed, **LLAMA_CONFIGS[config])
     prompts = random_prompts(seed, 8, 1, 60)
     max_tokens = [5 + 4 * i for i in range(8)]
     engine = _engine(impl, model, num_blocks=64, max_num_seqs=8)
@@ -217,8 +219,10 @@ def test_cached_blocks_are_evicted_under_pressure_and_outputs_stay_right(impl, s
     engine = _engine(impl, model, num_blocks=12, max_num_seqs=2)
     outs = [engine.generate([p], _params(impl, max_tokens=6))[0] for p in prompts + prompts[:2]]
     bm = engine.block_manager
-    assert len(bm.cached) <= bm.num_blocks, f"seed={seed}: more cached hashes than blocks"
-    assert all(bm.blocks[b].block_hash == h for h, b in bm.cached.items()), f"seed={seed}: a stale hash survived"
+    assert len(bm.hash_to_block_id) <= bm.num_blocks, f"seed={seed}: more cached hashes than blocks"
+    assert all(bm.blocks[b].block_hash == h for h, b in bm.hash_to_block_id.items()), (
+        f"seed={seed}: a stale hash survived"
+    )
     _check_same(outs, reference(model, prompts + prompts[:2], [6] * 12), seed, "eviction")
 
 

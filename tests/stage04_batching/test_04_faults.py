@@ -12,13 +12,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from stage04_helpers import PROMPT, LiveServer, make_model, wait_blocks_free
 
-from labkit.impl import load
 from labkit.loadtest import FAULT_MARKER, fail_on_marker
 
 
 @pytest.fixture
-def server(tokenizer):
-    s = LiveServer(tokenizer, max_waiting=64, request_timeout=30.0)
+def server(impl, tokenizer):
+    s = LiveServer(impl, tokenizer, max_waiting=64, request_timeout=30.0)
     yield s
     s.close()
 
@@ -74,7 +73,7 @@ def _engine_module(server):
 
 @pytest.mark.parametrize("where", ["forward", "sampling"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_a_request_failing_inside_the_step_fails_alone(server, tokenizer, monkeypatch, where, seed):
+def test_a_request_failing_inside_the_step_fails_alone(impl, server, tokenizer, monkeypatch, where, seed):
     if where == "forward":  # the hook raises before the batch's forward pass: the engine isolates it
         server.engine.fault_hook = fail_on_marker(tokenizer)
     else:
@@ -98,7 +97,7 @@ def test_a_request_failing_inside_the_step_fails_alone(server, tokenizer, monkey
         expected = 200 if stream == "stream" else 500
         assert status == expected and err, f"seed={seed} {where}: the {stream} poison request: {status} {got}"
         assert err["type"] == "server_error" and err["message"], f"seed={seed}: an OpenAI error says why: {err}"
-    Params = load("stage04_batching.sequence").SamplingParams
+    Params = impl("stage04_batching.sequence").SamplingParams
     for body, (status, got) in zip(bystanders, results[2:], strict=True):
         params = Params(max_tokens=body["max_tokens"], temperature=body["temperature"], seed=body.get("seed"))
         offline = server.offline.generate([body["prompt"]], params)[0].text
@@ -201,8 +200,8 @@ def test_a_loop_that_cannot_restart_stays_visibly_unhealthy(server, monkeypatch)
     assert after.status_code == 503, f"a new request is refused at once while the engine is down: {after.text}"
 
 
-def test_health_reports_a_stalled_engine_step(tokenizer):
-    server = LiveServer(tokenizer, stall_timeout=0.3)
+def test_health_reports_a_stalled_engine_step(impl, tokenizer):
+    server = LiveServer(impl, tokenizer, stall_timeout=0.3)
     try:
         server.engine.fault_hook = _slow(3.0)
         with httpx.Client(base_url=server.url, timeout=30) as c:

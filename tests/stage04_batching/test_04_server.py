@@ -8,12 +8,10 @@ import httpx
 import pytest
 from stage04_helpers import PROMPT, LiveServer, wait_blocks_free
 
-from labkit.impl import load
-
 
 @pytest.fixture(scope="module")
-def server(tokenizer):
-    s = LiveServer(tokenizer, max_waiting=64, request_timeout=30.0)
+def server(impl, tokenizer):
+    s = LiveServer(impl, tokenizer, max_waiting=64, request_timeout=30.0)
     yield s
     s.close()
 
@@ -28,7 +26,7 @@ def _sse(response) -> list[dict]:
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_streamed_text_equals_non_streamed_equals_offline_engine(server, seed):
+def test_streamed_text_equals_non_streamed_equals_offline_engine(impl, server, seed):
     body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0.8, "seed": seed}
     with httpx.Client(base_url=server.url, timeout=30) as c:
         plain = c.post("/v1/completions", json=body)
@@ -38,7 +36,7 @@ def test_streamed_text_equals_non_streamed_equals_offline_engine(server, seed):
             events = _sse(r)
     assert events[-1] == "[DONE]", f"seed={seed}: a stream ends with data: [DONE]"
     streamed = "".join(e["choices"][0]["text"] for e in events[:-1])
-    params = load("stage04_batching.sequence").SamplingParams(max_tokens=24, temperature=0.8, seed=seed)
+    params = impl("stage04_batching.sequence").SamplingParams(max_tokens=24, temperature=0.8, seed=seed)
     offline = server.offline.generate([PROMPT], params)[0]
     text = plain.json()["choices"][0]["text"]
     assert streamed == text == offline.text, (
@@ -117,8 +115,8 @@ def test_metrics_parse_and_count(server):
     assert generated >= 5, f"at least 5 tokens were generated, the counter says {generated}"
 
 
-def test_queue_limit_answers_429_not_timeouts(tokenizer):
-    server = LiveServer(tokenizer, max_waiting=2, request_timeout=30.0)
+def test_queue_limit_answers_429_not_timeouts(impl, tokenizer):
+    server = LiveServer(impl, tokenizer, max_waiting=2, request_timeout=30.0)
     try:
         body = {"prompt": PROMPT, "max_tokens": 60, "temperature": 0}
         # At most 2 requests may wait for admission; a burst of 24 overflows that at once.
@@ -171,12 +169,12 @@ def test_clients_disconnecting_mid_stream_leave_no_blocks_in_use(server):
     assert not server.engine.has_unfinished_requests(), "every abandoned request must be aborted"
 
 
-def test_chat_uses_the_checkpoints_chat_template(tokenizer, tmp_path):
+def test_chat_uses_the_checkpoints_chat_template(impl, tokenizer, tmp_path):
     template = "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
-    protocol = load("stage04_batching.protocol")
+    protocol = impl("stage04_batching.protocol")
     assert protocol.load_chat_template(tmp_path.parent) is None, "a folder without a template falls back"
-    server = LiveServer(tokenizer, chat_template=protocol.load_chat_template(tmp_path))
+    server = LiveServer(impl, tokenizer, chat_template=protocol.load_chat_template(tmp_path))
     try:
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story."}]
         with httpx.Client(base_url=server.url, timeout=30) as c:

@@ -4,8 +4,8 @@ MUTANTS = [
     # kv_cache.py
     dict(
         file="kv_cache.py",
-        find="if end > self.max_seq:",
-        replace="if end > self.max_seq + 1:",
+        find="if end > self.max_seq_len:",
+        replace="if end > self.max_seq_len + 1:",
         bug="LayerCache.append overflow check off by one",
     ),
     dict(
@@ -35,7 +35,7 @@ MUTANTS = [
     dict(
         file="kv_cache.py",
         find="if not 0 <= n <= self.length:",
-        replace="if not 0 <= n <= self.max_seq:",
+        replace="if not 0 <= n <= self.max_seq_len:",
         bug="LayerCache.truncate lets the cache grow past what it holds",
     ),
     dict(
@@ -238,8 +238,8 @@ MUTANTS = [
     ),
     dict(
         file="int8_cache.py",
-        find="        if end > self.max_seq:",
-        replace="        if end > self.max_seq + 1:",
+        find="        if end > self.max_seq_len:",
+        replace="        if end > self.max_seq_len + 1:",
         bug="Int8LayerCache.append overflow check off by one",
     ),
     # memory.py

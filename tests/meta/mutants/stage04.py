@@ -10,7 +10,7 @@ MUTANTS = [
     ),
     dict(
         file="block_manager.py",
-        find="            if self.cached.get(block.block_hash) == block_id:\n                del self.cached[block.block_hash]\n",
+        find="            if self.hash_to_block_id.get(block.block_hash) == block_id:\n                del self.hash_to_block_id[block.block_hash]\n",
         replace="",
         bug="_pop_free evicts a block but leaves its hash in the cache table",
     ),
@@ -151,8 +151,8 @@ MUTANTS = [
     ),
     dict(
         file="block_manager.py",
-        find="self.cached.setdefault(block.block_hash, block.block_id)",
-        replace="self.cached[block.block_hash] = block.block_id",
+        find="self.hash_to_block_id.setdefault(block.block_hash, block.block_id)",
+        replace="self.hash_to_block_id[block.block_hash] = block.block_id",
         bug="cache_blocks overwrites the entry of an identical cached block",
         equivalent="two blocks under one hash hold the same tokens and K/V; which of them a hit names changes no output",
     ),

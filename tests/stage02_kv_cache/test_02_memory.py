@@ -54,11 +54,11 @@ def test_kv_cache_bytes_equals_what_a_real_cache_allocates(impl, seed):
     rng = np.random.default_rng(seed)
     n_kv = int(rng.integers(1, 4))
     config = Config(num_hidden_layers=int(rng.integers(1, 5)), num_key_value_heads=n_kv, num_attention_heads=2 * n_kv)
-    batch, max_seq = int(rng.integers(1, 4)), int(rng.integers(5, 50))
-    cache = impl("stage02_kv_cache.kv_cache").KVCache(config, batch, max_seq)
+    batch, max_seq_len = int(rng.integers(1, 4)), int(rng.integers(5, 50))
+    cache = impl("stage02_kv_cache.kv_cache").KVCache(config, batch, max_seq_len)
     allocated = sum(layer.k.nbytes + layer.v.nbytes for layer in cache.layers)
     got = impl(MEMORY).kv_cache_bytes(
-        config.num_hidden_layers, n_kv, config.head_dim, max_seq, batch, cache.layers[0].k.element_size()
+        config.num_hidden_layers, n_kv, config.head_dim, max_seq_len, batch, cache.layers[0].k.element_size()
     )
     assert got == allocated, f"seed={seed}: formula says {got} B, the float32 buffers hold {allocated} B"
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from stage05_helpers import peaked
 
 MODULE = "stage05_flashattention.flash_attention"
 
@@ -10,17 +11,6 @@ MODULE = "stage05_flashattention.flash_attention"
 def qkv(seed, B, H, H_kv, T, D, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     return tuple(torch.randn(B, h, T, D, generator=g).to(dtype) for h in (H, H_kv, H_kv))
-
-
-def peaked(seed: int, B: int, H: int, H_kv: int, T: int, D: int):
-    """q, k, v whose key 0 scores about +120 for every query and every later key about -120: the
-    maximum sits in the first tile and the later tiles are so far below it that a running max
-    that forgets the first tile makes exp overflow (exp(240) is past float32's range)."""
-    g = torch.Generator().manual_seed(seed)
-    q = 1 + 0.1 * torch.randn(B, H, T, D, generator=g)
-    k = torch.randn(B, H_kv, T, D, generator=g) - 30
-    k[:, :, 0] += 60
-    return q, k, torch.randn(B, H_kv, T, D, generator=g)
 
 
 # seed, H, H_kv, T, D, BLOCK_M, BLOCK_N, causal: GQA 1/2/4, T off the block grid (and below one block)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit.testing import random_tokens
+from labkit.testing import random_labkit_llama, random_tokens
 
 MOD = "stage03_quantization.evaluate"
 SEEDS = [0, 1, 2]
@@ -24,8 +24,8 @@ def test_divergence_is_kl_and_top1_agreement(impl, seed):
     assert impl(MOD).divergence(ref, ref) == pytest.approx((0.0, 1.0), abs=1e-6), f"seed={seed}: self-divergence"
 
 
-def test_weight_bytes_after_int8_counts_codes_scales_and_float_rest(impl, make_llama):
-    model = make_llama(0, tie_word_embeddings=True)
+def test_weight_bytes_after_int8_counts_codes_scales_and_float_rest(impl):
+    model = random_labkit_llama(0, tie_word_embeddings=True)
     impl("stage03_quantization.quant_linear").quantize_model(model, "int8")
     c = model.config
     linear_shapes = [
@@ -41,15 +41,15 @@ def test_weight_bytes_after_int8_counts_codes_scales_and_float_rest(impl, make_l
     assert impl(MOD).weight_bytes(model) == expected, f"expected {expected} bytes, got {impl(MOD).weight_bytes(model)}"
 
 
-def test_evaluate_against_reference(impl, make_llama):
+def test_evaluate_against_reference(impl):
     mod = impl(MOD)
-    model = make_llama(1)
+    model = random_labkit_llama(1)
     windows = random_tokens(1, 40, model.config.vocab_size, batch=3)
     report = mod.evaluate(model, windows, reference=model, decode_repeats=0)
     assert report.kl == pytest.approx(0.0, abs=1e-6) and report.top1_agreement == 1.0, (
         "a model vs itself: KL 0, agree 1"
     )
-    noisy = make_llama(1)
+    noisy = random_labkit_llama(1)
     with torch.no_grad():
         for p in noisy.parameters():
             p.add_(torch.randn_like(p) * 0.02)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from labkit.model import RMSNorm
-from labkit.testing import LLAMA_CONFIGS, random_tokens
+from labkit.testing import LLAMA_CONFIGS, random_labkit_llama, random_tokens
 
 MOD = "stage03_quantization.smoothquant"
 SEEDS = [0, 1, 2]
@@ -64,8 +64,8 @@ def test_fold_scale_keeps_the_function(impl, seed):
 
 
 @pytest.mark.parametrize("name", sorted(LLAMA_CONFIGS))
-def test_smoothed_model_is_equivalent_in_float(impl, make_llama, name):
-    model = make_llama(3, **LLAMA_CONFIGS[name])
+def test_smoothed_model_is_equivalent_in_float(impl, name):
+    model = random_labkit_llama(3, **LLAMA_CONFIGS[name])
     before = model.model.layers[-1].post_attention_layernorm.weight.detach().clone()
     ids = random_tokens(3, 29, model.config.vocab_size, batch=2)
     with torch.no_grad():
@@ -129,8 +129,8 @@ def layer_by_layer_smoothing(sq, model, calib, alpha: float):
 
 
 @pytest.mark.parametrize("name,alpha", [("gqa2-tied", 0.8), ("gqa4-3layers", 0.35)])
-def test_smooth_model_folds_the_smoothing_scales_layer_by_layer(impl, make_llama, name, alpha):
-    model = make_llama(9, **LLAMA_CONFIGS[name])
+def test_smooth_model_folds_the_smoothing_scales_layer_by_layer(impl, name, alpha):
+    model = random_labkit_llama(9, **LLAMA_CONFIGS[name])
     calib = random_tokens(9, 21, model.config.vocab_size, batch=3)
     expected = layer_by_layer_smoothing(impl(MOD), copy.deepcopy(model), calib, alpha)
     impl(MOD).smooth_model(model, calib, alpha=alpha)

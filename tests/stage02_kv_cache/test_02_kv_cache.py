@@ -31,7 +31,7 @@ def test_append_returns_the_valid_prefix(impl, seed):
 
 def test_append_writes_into_the_preallocated_buffers(impl):
     cache = impl(KV_CACHE).LayerCache(2, 3, 32, 8)
-    assert cache.k.shape == (2, 3, 32, 8), "buffers are (B, n_kv_heads, max_seq, head_dim), allocated up front"
+    assert cache.k.shape == (2, 3, 32, 8), "buffers are (B, n_kv_heads, max_seq_len, head_dim), allocated up front"
     k_ptr, v_ptr = cache.k.data_ptr(), cache.v.data_ptr()
     for k, v in chunks(5, [6, 1, 1]):
         got_k, got_v = cache.append(k, v)
@@ -46,11 +46,11 @@ def test_append_past_max_seq_raises_a_clear_error_and_keeps_the_cache(impl):
     cache = impl(KV_CACHE).LayerCache(2, 3, 10, 8)
     (k1, v1), (k2, v2) = chunks(3, [8, 3])
     cache.append(k1, v1)
-    with pytest.raises(ValueError, match="max_seq"):
+    with pytest.raises(ValueError, match="max_seq_len"):
         cache.append(k2, v2)
     assert cache.length == 8, "a failed append must leave the cache as it was"
     got_k, _ = cache.append(k2[:, :, :2], v2[:, :, :2])
-    assert torch.equal(got_k[:, :, 8:], k2[:, :, :2]), "filling the cache exactly to max_seq must work"
+    assert torch.equal(got_k[:, :, 8:], k2[:, :, :2]), "filling the cache exactly to max_seq_len must work"
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -80,7 +80,7 @@ def test_truncate_rejects_lengths_outside_the_cache(impl):
 def test_kv_cache_truncates_every_layer(impl):
     from labkit.model import Config
 
-    cache = impl(KV_CACHE).KVCache(Config(num_hidden_layers=3), batch=1, max_seq=12)
+    cache = impl(KV_CACHE).KVCache(Config(num_hidden_layers=3), batch=1, max_seq_len=12)
     k, v = chunks(1, [7], batch=1, n_kv=2, head_dim=32)[0]
     for layer in cache.layers:
         layer.append(k, v)

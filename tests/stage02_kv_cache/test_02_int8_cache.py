@@ -57,11 +57,11 @@ def test_int8_append_past_max_seq_raises_and_keeps_the_cache(impl):
     cache = impl(INT8).Int8LayerCache(1, 2, 5, 8)
     k = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(5))
     cache.append(k, k)
-    with pytest.raises(ValueError, match="max_seq"):
+    with pytest.raises(ValueError, match="max_seq_len"):
         cache.append(k[:, :, :2], k[:, :, :2])
     assert cache.length == 4, "a failed append must leave the cache as it was"
     keys, _ = cache.append(k[:, :, :1], k[:, :, :1])
-    assert keys.shape[2] == 5, "filling the cache exactly to max_seq must work"
+    assert keys.shape[2] == 5, "filling the cache exactly to max_seq_len must work"
 
 
 def test_int8_cache_saving_is_the_bytes_per_element_ratio(impl):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from labkit.testing import LLAMA_CONFIGS, random_tokens
+from labkit.testing import LLAMA_CONFIGS, random_labkit_llama, random_tokens
 
 MOD = "stage03_quantization.awq"
 SEEDS = [0, 1, 2]
@@ -61,8 +61,8 @@ def test_awq_search_keeps_the_first_alpha_on_a_tie(impl):
 
 
 @pytest.mark.parametrize("name", sorted(LLAMA_CONFIGS))
-def test_awq_folded_model_has_the_same_logits(impl, make_llama, name):
-    model = make_llama(7, **LLAMA_CONFIGS[name])
+def test_awq_folded_model_has_the_same_logits(impl, name):
+    model = random_labkit_llama(7, **LLAMA_CONFIGS[name])
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = random_tokens(7, 33, model.config.vocab_size, batch=2)
     with torch.no_grad():
@@ -111,8 +111,8 @@ def layer_by_layer_awq(awq, fold_scale, model, calib, bits: int, group_size: int
 
 
 @pytest.mark.parametrize("name", ["mha-untied", "gqa4-3layers"])
-def test_awq_on_a_model_folds_the_searched_scale_of_every_group_layer_by_layer(impl, make_llama, name):
-    model = make_llama(5, **LLAMA_CONFIGS[name])
+def test_awq_on_a_model_folds_the_searched_scale_of_every_group_layer_by_layer(impl, name):
+    model = random_labkit_llama(5, **LLAMA_CONFIGS[name])
     calib = random_tokens(6, 24, model.config.vocab_size, batch=2)
     fold = impl("stage03_quantization.smoothquant").fold_scale
     expected = layer_by_layer_awq(impl(MOD), fold, copy.deepcopy(model), calib, bits=3, group_size=16)
@@ -126,10 +126,10 @@ def test_awq_on_a_model_folds_the_searched_scale_of_every_group_layer_by_layer(i
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_awq_quantized_model_is_rtn_of_the_scaled_model(impl, make_llama, seed):
+def test_awq_quantized_model_is_rtn_of_the_scaled_model(impl, seed):
     """AWQ = fold the scales, then round to nearest: the folded model computes the float function,
     and the quantized one differs from it only by the scaled weights' rounding."""
-    model = make_llama(seed, num_key_value_heads=2)
+    model = random_labkit_llama(seed, num_key_value_heads=2)
     calib = random_tokens(seed, 24, model.config.vocab_size, batch=2)
     scaled = impl(MOD).awq_scale_model(copy.deepcopy(model), calib, bits=4, group_size=32)
     quantized = impl(MOD).awq_quantize_model(copy.deepcopy(model), calib, bits=4, group_size=32)

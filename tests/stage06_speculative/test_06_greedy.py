@@ -115,11 +115,12 @@ def test_cache_rollback_after_rejection(impl, pair, config, seed):
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_tiny_pair_greedy_identical_and_fewer_forwards(impl, k):
-    from labkit.evaluate import heldout, load_tokenizer
-    from labkit.model import load
+    from labkit.checkpoint import load_tokenizer
+    from labkit.model import from_pretrained
+    from labkit.quality import heldout
 
     m = impl("stage06_speculative.speculative")
-    target, draft = load(labkit.TARGET), load(labkit.DRAFT)
+    target, draft = from_pretrained(labkit.TARGET), from_pretrained(labkit.DRAFT)
     window = heldout(load_tokenizer(labkit.TARGET), n_tokens=512, seq=512)[0]
     prompt = window[:40].tolist()
     got, stats = m.greedy_speculative(target, draft, prompt, 48, k=k)

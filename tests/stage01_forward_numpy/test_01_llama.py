@@ -223,12 +223,12 @@ def test_llama_runs_from_a_save_pretrained_folder(impl, name, tmp_path):
 
 
 def test_llama_forward_runs_the_tiny_target(impl):
-    from labkit.model import load
+    from labkit.model import from_pretrained
 
     ids = random_tokens(5, 40, 2048)
     ids[0] = 1  # <s>
     with torch.no_grad():
-        expected = load(labkit.TARGET)(ids[None])[0].numpy()
+        expected = from_pretrained(labkit.TARGET)(ids[None])[0].numpy()
     mod = impl(MODULE)
     got = mod.llama_forward(mod.load_llama_params(labkit.TARGET), ids.numpy())
     delta = np.abs(got - expected).max()

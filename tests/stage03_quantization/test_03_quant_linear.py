@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from labkit.testing import LLAMA_CONFIGS, random_tokens
+from labkit.testing import LLAMA_CONFIGS, random_labkit_llama, random_tokens
 
 MOD = "stage03_quantization.quant_linear"
 SEEDS = [0, 1]
@@ -64,9 +64,9 @@ def test_int4_g128_storage_at_most_0_3_of_fp16(impl, seed):
 
 
 @pytest.mark.parametrize("name", sorted(LLAMA_CONFIGS))
-def test_quantize_model_swaps_every_linear_but_lm_head(impl, make_llama, name):
+def test_quantize_model_swaps_every_linear_but_lm_head(impl, name):
     mod = impl(MOD)
-    model = make_llama(5, **LLAMA_CONFIGS[name])
+    model = random_labkit_llama(5, **LLAMA_CONFIGS[name])
     ids = random_tokens(5, 21, model.config.vocab_size, batch=2)
     with torch.no_grad():
         expected = model(ids)
@@ -83,9 +83,9 @@ def test_quantize_model_swaps_every_linear_but_lm_head(impl, make_llama, name):
 
 
 @pytest.mark.parametrize("bits,group_size", [(3, 16), (8, 32)])
-def test_quantize_model_passes_bits_and_group_size_on(impl, make_llama, bits, group_size):
+def test_quantize_model_passes_bits_and_group_size_on(impl, bits, group_size):
     mod = impl(MOD)
-    model = mod.quantize_model(make_llama(2), "rtn", bits=bits, group_size=group_size)
+    model = mod.quantize_model(random_labkit_llama(2), "rtn", bits=bits, group_size=group_size)
     layers = [m for m in model.modules() if isinstance(m, mod.QuantLinear)]
     assert layers, "quantize_model swapped nothing"
     for m in layers:

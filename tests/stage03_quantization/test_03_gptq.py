@@ -5,6 +5,8 @@ import copy
 import pytest
 import torch
 
+from labkit.testing import random_labkit_llama
+
 MOD = "stage03_quantization.gptq"
 SEEDS = [0, 1, 2]
 
@@ -159,10 +161,10 @@ def layer_by_layer_gptq(gptq, model, calib, bits: int, group_size: int, act_orde
 
 
 @pytest.mark.parametrize("seed,act_order", [(0, False), (1, True)])
-def test_gptq_on_a_model_is_gptq_layer_by_layer_on_propagated_inputs(impl, make_llama, seed, act_order):
+def test_gptq_on_a_model_is_gptq_layer_by_layer_on_propagated_inputs(impl, seed, act_order):
     from labkit.testing import random_tokens
 
-    model = make_llama(seed, num_hidden_layers=3, num_key_value_heads=2)
+    model = random_labkit_llama(seed, num_hidden_layers=3, num_key_value_heads=2)
     calib = random_tokens(seed, 40, model.config.vocab_size, batch=3)
     expected = layer_by_layer_gptq(impl(MOD), copy.deepcopy(model), calib, 4, 32, act_order)
     impl(MOD).gptq_quantize_model(model, calib, bits=4, group_size=32, act_order=act_order)

@@ -5,25 +5,13 @@ that training records in labkit/assets/training_report.json.
 """
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 
 from . import corpus
 from .bench import decode_step, measure
-
-
-def load_tokenizer(path: str | os.PathLike):
-    """The `tokenizers.Tokenizer` of a model folder (tokenizer.json)."""
-    from pathlib import Path
-
-    from tokenizers import Tokenizer
-
-    file = Path(path) / "tokenizer.json"
-    if not file.is_file():
-        raise FileNotFoundError(f"{path} has no tokenizer.json; pass a folder from labkit/assets or save_pretrained.")
-    return Tokenizer.from_file(str(file))
+from .checkpoint import load_tokenizer
 
 
 def pack(tokenizer, texts: list[str], bos: int = 1, eos: int = 2) -> torch.Tensor:
@@ -83,15 +71,15 @@ def report_pair(target, draft, tokenizer) -> dict:
 
 
 def main() -> None:
-    """python -m labkit.evaluate: re-measure the tiny pair and update training_report.json."""
+    """python -m labkit.quality: re-measure the tiny pair and update training_report.json."""
     import json
 
     from . import ASSETS, DRAFT, TARGET
-    from .model import load
+    from .model import from_pretrained
 
     report_file = ASSETS / "training_report.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else {}
-    report.update(report_pair(load(TARGET), load(DRAFT), load_tokenizer(TARGET)))
+    report.update(report_pair(from_pretrained(TARGET), from_pretrained(DRAFT), load_tokenizer(TARGET)))
     report_file.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from stage05_helpers import peaked
 
 MODULE = "stage05_flashattention.flash_decoding"
 
@@ -22,17 +23,6 @@ def decode_inputs(seed, H, H_kv, S, D, dtype=torch.float32):
     k, v = (torch.randn(3, H_kv, S, D, generator=g).to(dtype) for _ in range(2))
     seq_lens = torch.tensor([S, int(torch.randint(2, S, (1,), generator=g)), 1], dtype=torch.int32)
     return q, k, v, seq_lens
-
-
-def peaked(seed: int, B: int, H: int, H_kv: int, T: int, D: int):
-    """q, k, v whose key 0 scores about +120 for every query and every later key about -120: the
-    maximum sits in the first tile and the later tiles are so far below it that a running max
-    that forgets the first tile makes exp overflow (exp(240) is past float32's range)."""
-    g = torch.Generator().manual_seed(seed)
-    q = 1 + 0.1 * torch.randn(B, H, T, D, generator=g)
-    k = torch.randn(B, H_kv, T, D, generator=g) - 30
-    k[:, :, 0] += 60
-    return q, k, torch.randn(B, H_kv, T, D, generator=g)
 
 
 # seed, H, H_kv, num_splits: 8 splits of a 70-key cache leave some splits empty for the short rows

@@ -9,8 +9,9 @@ import torch
 
 import labkit
 from labkit.calibration import calibration_windows
-from labkit.evaluate import heldout, load_tokenizer, perplexity
-from labkit.model import load
+from labkit.checkpoint import load_tokenizer
+from labkit.model import from_pretrained
+from labkit.quality import heldout, perplexity
 
 # method -> (quantize(model, calib) via the stage's modules, max perplexity increase %, max bytes / fp32 bytes)
 METHODS = {
@@ -32,7 +33,7 @@ def target():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # module fixtures run before the per-test one_thread fixture
     tokenizer = load_tokenizer(labkit.TARGET)
-    model = load(labkit.TARGET)
+    model = from_pretrained(labkit.TARGET)
     windows = heldout(tokenizer, n_tokens=1024, seq=512)  # 2 held-out windows
     calib = calibration_windows(tokenizer, n_windows=2, seq=128)  # from the training split
     yield model, windows, calib, perplexity(model, windows)
