@@ -142,11 +142,11 @@ def medusa_accuracy(heads: medusa.MedusaHeads, hidden: torch.Tensor, greedy: tor
 def train_medusa(target: Llama, tokenizer, steps: int = 400, batch: int = 1024, n_windows: int = 64) -> dict:
     """Train MEDUSA_HEADS heads on the frozen target's hidden states (cross-entropy against the target's
     own greedy tokens k + 1 places ahead), save them to MEDUSA, and return their report."""
-    ids = evaluate.pack(tokenizer, corpus.train_texts())
+    ids = quality.pack(tokenizer, corpus.train_texts())
     gen = torch.Generator().manual_seed(3)
     print(f"medusa: target features on {n_windows} windows of {SEQ} training tokens", flush=True)
     hidden, greedy = target_features(target, windows(ids, n_windows, gen)[:, :SEQ])
-    valid_hidden, valid_greedy = target_features(target, evaluate.heldout(tokenizer, n_tokens=8 * SEQ))
+    valid_hidden, valid_greedy = target_features(target, quality.heldout(tokenizer, n_tokens=8 * SEQ))
     for p in target.parameters():
         p.requires_grad_(False)
     heads = medusa.attach(target, MEDUSA_HEADS).train()
@@ -195,7 +195,7 @@ def main(argv=None):
     report_file = ASSETS / "training_report.json"
     report = json.loads(report_file.read_text()) if report_file.exists() else {}
     if args.only == "medusa":
-        report["medusa"] = train_medusa(load(TARGET), evaluate.load_tokenizer(TARGET))
+        report["medusa"] = train_medusa(from_pretrained(TARGET), load_tokenizer(TARGET))
         report_file.write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps(report["medusa"], indent=2))
         return

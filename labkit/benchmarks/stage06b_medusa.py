@@ -19,8 +19,8 @@ import torch
 
 from labkit import ASSETS, bench, medusa, plot
 from labkit.device import pin_threads
-from labkit.evaluate import heldout
 from labkit.impl import current, load
+from labkit.quality import heldout
 
 CHAIN = [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]
 

@@ -7,7 +7,7 @@ import torch
 
 import labkit
 from labkit import bench, checkpoint, impl
-from labkit.model import Config, from_pretrained, save
+from labkit.model import Config, Llama, from_pretrained, init_weights, save
 from labkit.testing import (
     LLAMA_CONFIGS,
     hf_from_labkit,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from labkit import TARGET
-from labkit.evaluate import load_tokenizer
+from labkit.checkpoint import load_tokenizer
 from labkit.impl import load
 
 compile_regex = load("stage04_batching.byte_dfa").compile_regex

@@ -145,10 +145,11 @@ def test_eos_inside_an_accepted_path_ends_generation_there(impl, name, seed):
 
 
 def test_tiny_target_with_trained_heads_is_greedy_and_accepts_several_tokens(impl):
-    from labkit.evaluate import heldout, load_tokenizer
-    from labkit.model import load
+    from labkit.checkpoint import load_tokenizer
+    from labkit.model import from_pretrained
+    from labkit.quality import heldout
 
-    target = load(labkit.TARGET)
+    target = from_pretrained(labkit.TARGET)
     heads = medusa.load(labkit.ASSETS / "tiny-target-medusa", target)
     window = heldout(load_tokenizer(labkit.TARGET), n_tokens=1024, seq=512)[1]
     prompt = window[:48].tolist()
