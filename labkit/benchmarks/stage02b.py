@@ -7,9 +7,11 @@ A. One random-init model shape (8 heads, hidden 256, 4 layers), three attentions
    stage 02's cached Llama). The cache is filled to each context length with random values
    (decode time does not depend on them), then one decode step is timed (median of repeats); the
    absorbed and expanded logits are compared, to show the speed comes at equal output.
-B. The trained tiny target on held-out stories longer than its 1,024-token context, fed one token
-   at a time through a fixed-budget cache: window only, 4 sinks + window, H2O; and a cache that
-   keeps everything (the plain causal forward pass). Perplexity per 128-token segment.
+B. The trained tiny target ($MODEL if set) on held-out stories longer than its 1,024-token context,
+   fed one token at a time through a fixed-budget cache: window only, 4 sinks + window, H2O; and a
+   cache that keeps everything (the plain causal forward pass). Perplexity per 128-token segment,
+   and the share of attention position 0 receives in each layer: a model without attention sinks
+   (the tiny target) has nothing for window-only eviction to lose.
 """
 
 import math
@@ -18,11 +20,10 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from labkit import TARGET, bench, corpus, plot
-from labkit.checkpoint import load_tokenizer
+from labkit import bench, corpus, plot
 from labkit.device import pin_threads
 from labkit.impl import current, load
-from labkit.model import Config, Llama, from_pretrained, init_weights
+from labkit.model import Config, Llama, init_weights
 from labkit.quality import pack
 
 HIDDEN, HEADS, LAYERS = 256, 8, 4
@@ -104,10 +105,44 @@ def decode_times(contexts, repeats) -> tuple[list[dict], dict]:
     return rows, bytes_per_token
 
 
+@torch.no_grad()
+def first_token_share(model, ids: torch.Tensor) -> list[float]:
+    """Per layer, the share of attention that position 0 receives from the queries after the first 64.
+
+    A model with attention sinks gives position 0 a large share; labkit's model attends with SDPA and
+    returns no weights, so this reads q and k off each layer's projections and applies RoPE again."""
+    from labkit.model import apply_rope, repeat_kv, rope_cos_sin
+
+    c, T = model.config, ids.shape[1]
+    cos, sin = rope_cos_sin(torch.arange(T), c.head_dim, c.rope_theta, scaling=c.rope_scaling)
+    captured = []
+    hooks = [
+        layer.self_attn.register_forward_hook(lambda m, args, out: captured.append(args[0]))
+        for layer in model.model.layers
+    ]
+    model(ids)
+    for h in hooks:
+        h.remove()
+    shares = []
+    for x, layer in zip(captured, model.model.layers, strict=True):
+        attn = layer.self_attn
+        q = attn.q_proj(x).view(1, T, -1, c.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(1, T, -1, c.head_dim).transpose(1, 2)
+        q, k = attn.norm_qk(q, k)
+        q, k = apply_rope(q, cos, sin), repeat_kv(apply_rope(k, cos, sin), q.shape[1] // k.shape[1])
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(c.head_dim)
+        weights = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        shares.append(float(weights[0, :, 64:, 0].mean()))
+    return shares
+
+
 def eviction_perplexity(n_tokens: int, budget: int) -> dict:
     sinks = load("stage02_kv_cache.sinks")
-    model = from_pretrained(TARGET)
-    ids = pack(load_tokenizer(TARGET), corpus.valid_texts())[: n_tokens + 1][None]
+    model, label = bench.model()  # $MODEL, else the tiny target: real checkpoints have sinks to show
+    c = model.config
+    bos = c.eos_token_id if c.bos_token_id is None else c.bos_token_id  # Qwen has no <s>: stories split on </s>
+    ids = pack(bench.tokenizer(), corpus.valid_texts(), bos=bos, eos=c.eos_token_id)[: n_tokens + 1][None]
+    print(f"eviction on {label}")
     policies = {
         "window only": sinks.SinkWindow(0),
         "4 sinks + window": sinks.SinkWindow(4),
@@ -137,6 +172,9 @@ def eviction_perplexity(n_tokens: int, budget: int) -> dict:
         * n_tokens
         * 4,
     }
+    share = first_token_share(model, ids[:, : min(n_tokens, c.max_position_embeddings)])
+    print("attention share of position 0 per layer (queries after the first 64):", [round(x, 4) for x in share])
+    out["full cache"]["first_token_attention_share_per_layer"] = share
     for name, r in out.items():
         nll = r.pop("nll")
         r["perplexity"] = math.exp(nll.mean())
