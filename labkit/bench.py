@@ -3,6 +3,7 @@
     make bench STAGE=02                          # python -m labkit.bench 02 (labkit/benchmarks/stage02.py)
     make bench STAGE=06 MODEL=path DRAFT=path    # your own HF-format Llama folders instead of the tiny pair
     make bench STAGE=02 QUICK=1                  # fewer sizes and repeats (--quick); saved as stage02_quick.*
+    make bench STAGE=decode                      # one decode step: course eager/compiled, HF, llama.cpp (benchmarks/decode.py)
 
 A benchmark is `labkit/benchmarks/stageNN.py` (or `stageNNb.py` for a stage's part 2) with
 `main(quick: bool) -> bench.Result`: it loads its models with `model()`, times with `measure`,
@@ -185,10 +186,10 @@ def table(rows: list[dict], title: str = "") -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Run one stage's benchmark.")
-    ap.add_argument("stage", help="stage number, e.g. 02, or 02b for a stage's part 2")
+    ap.add_argument("stage", help="stage number, e.g. 02, or 02b for a stage's part 2, or decode")
     ap.add_argument("--quick", action="store_true", help="fewer repeats and sizes; saved with a _quick suffix")
     args = ap.parse_args(argv)
-    name = f"stage{args.stage.zfill(2)}"
+    name = f"stage{args.stage.zfill(2)}" if args.stage[:1].isdigit() else args.stage
     try:
         module = importlib.import_module(f"labkit.benchmarks.{name}")
     except ModuleNotFoundError:
