@@ -103,8 +103,8 @@ def main(quick: bool = False) -> bench.Result:
             export = load("stage03_quantization.gguf_export")
             for mix in ("F32", "Q8_0"):
                 steps[f"llama.cpp {mix}"] = llamacpp_step(export.export_gguf(TARGET, Path(tmp) / f"{mix}.gguf", mix))
-        except ImportError:
-            print("llama.cpp not installed (make llamacpp): its rows are left out")
+        except (ImportError, NotImplementedError) as e:  # no llama-cpp-python, or a learner's unwritten exporter
+            print(f"llama.cpp rows left out ({type(e).__name__}: {e}); `make llamacpp` installs llama.cpp")
         ops = {name: aten_ops(step) for name, step in steps.items() if not name.startswith("llama.cpp")}
         times = bench.interleaved(steps, repeats=50 if quick else 300, warmup=10)
     bandwidth = copy_bandwidth()
