@@ -100,7 +100,7 @@ class StaticDecoder:
         self.ids.copy_(ids)
         self.pos.copy_(pos)
         self.graph.replay()
-        return self.out
+        return self.out.clone()  # the next replay overwrites self.out
 
     def attns(self):
         return [layer.self_attn for layer in self.model.model.layers]
