@@ -19,6 +19,7 @@ import torch
 from torch.profiler import profile
 
 from labkit import TARGET, bench
+from labkit.device import pin_threads
 from labkit.fast_decode import StaticDecoder
 from labkit.impl import load
 
@@ -84,7 +85,7 @@ def llamacpp_step(path: Path):
 
 
 def main(quick: bool = False) -> bench.Result:
-    torch.set_num_threads(1)  # llama.cpp runs on one thread too: the comparison is per core
+    pin_threads(1)  # llama.cpp runs on one thread too: the comparison is per core
     model, which = bench.model()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied embedding once
     steps = {"labkit.model, eager": course_step(model, None)}
