@@ -35,11 +35,11 @@ lab: setup
 
 ## make bench STAGE=02 [QUICK=1] [MODEL=dir DRAFT=dir]: one stage's benchmark (reference solution unless
 ## IMPL=student) on the tiny pair or your HF-format Llama folders; QUICK=1 saves to bench_results/*_quick.*
-bench: setup $(if $(filter 03b,$(STAGE)),llamacpp)
+bench: setup $(if $(filter 03b decode,$(STAGE)),llamacpp)
 	@test -n "$(STAGE)" || { echo "usage: make bench STAGE=02"; exit 2; }
 	LABS_IMPL=$(IMPL) $(PY) -m labkit.bench $(STAGE) $(if $(QUICK),--quick)
 
-## make llamacpp: the optional llama.cpp build (llama-cpp-python, CPU) that stage 03b's benchmark runs its GGUF files in
+## make llamacpp: the optional llama.cpp build (llama-cpp-python, CPU) that stage 03b's and the decode benchmark run GGUF files in
 llamacpp: setup
 	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "building llama.cpp from source (about 4 minutes on 2 idle cores)"; \
 	  CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF" $(PY) -m pip install -q --disable-pip-version-check -r requirements-llamacpp.txt; }

@@ -3,6 +3,7 @@
     make bench STAGE=02                          # python -m labkit.bench 02 (labkit/benchmarks/stage02.py)
     make bench STAGE=06 MODEL=path DRAFT=path    # your own HF-format Llama folders instead of the tiny pair
     make bench STAGE=02 QUICK=1                  # fewer sizes and repeats (--quick); saved as stage02_quick.*
+    make bench STAGE=decode                      # one decode step: course eager/compiled, HF, llama.cpp (benchmarks/decode.py)
 
 A benchmark is `labkit/benchmarks/stageNN.py` (or `stageNNb.py` for a stage's part 2) with
 `main(quick: bool) -> bench.Result`: it loads its models with `model()`, times with `measure`,
@@ -176,16 +177,22 @@ def table(rows: list[dict], title: str = "") -> str:
 
 
 def benchmark_name(stage: str) -> str:
-    """'2', '02' -> 'stage02'; '2b', '02b' -> 'stage02b' (a stage's part 2)."""
-    number = re.fullmatch(r"(\d{1,2})([a-z]?)", stage.strip().lower())
+    """'2', '02' -> 'stage02'; '2b' -> 'stage02b' (a stage's part 2); '04_latency' -> 'stage04_latency';
+    a name that is not a stage number (e.g. 'decode') is a benchmark of its own."""
+    stage = stage.strip().lower()
+    number = re.fullmatch(r"(\d{1,2})([a-z]?)(_\w+)?", stage)
     if not number:
-        raise SystemExit(f"stage {stage!r}: pass a stage number such as 02, 2 or 02b.")
-    return f"stage{int(number[1]):02d}{number[2]}"
+        if (Path(__file__).parent / "benchmarks" / f"{stage}.py").is_file():
+            return stage
+        raise SystemExit(
+            f"stage {stage!r}: pass a stage number such as 02, 2 or 02b, or a benchmark name such as decode."
+        )
+    return f"stage{int(number[1]):02d}{number[2]}{number[3] or ''}"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Run one stage's benchmark.")
-    ap.add_argument("stage", help="stage number, e.g. 02, or 02b for a stage's part 2")
+    ap.add_argument("stage", help="stage number, e.g. 02, or 02b for a stage's part 2, or decode")
     ap.add_argument("--quick", action="store_true", help="fewer repeats and sizes; saved with a _quick suffix")
     args = ap.parse_args(argv)
     name = benchmark_name(args.stage)

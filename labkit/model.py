@@ -6,6 +6,18 @@ so `model.state_dict()` has exactly HF's keys and its logits match HF's on the s
 (Config: biases, qk_norm, sliding_window, rope_scaling), each read from config.json the way HF's
 modeling file of that family reads it; anything else is refused (tests/meta/test_model_families.py). It has an optional contiguous KV cache that can be
 truncated, which stages 04, 06 and 07 build on; stage 02 is where the learner writes one.
+
+A decode step does only the work it needs (issue 24): RoPE tables are computed once, a one-token
+step builds no mask, the cache is written in place, and grouped-query attention reads the cache
+without copying it per query head. q/k/v and gate/up stay separate Linears (HF's layout): stage 03
+quantizes and rescales them one by one. The compiled, fused fast path lives beside this file, in
+labkit/fast_decode.py.
+
+Running layers one at a time (calibration, Medusa heads, tensor parallelism):
+
+    x, cos, sin, mask = model.layer_inputs(ids)      # what forward hands the first layer
+    for layer in model.model.layers:
+        x = layer(x, cos, sin, mask)                 # Block.forward(x, cos, sin, mask=None, cache=None, layer=0)
 """
 
 import math
@@ -233,6 +245,21 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
 
 
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Softmax attention for GQA without repeat_kv's copy of the cache (a full copy every step).
+
+    The n_rep query heads that share kv head g are stacked as n_rep * T queries of that one head:
+    query row r * T + t is query t of head g * n_rep + r, so the (T, S) mask is stacked n_rep times.
+    q: (B, H, T, D); k, v: (B, n_kv, S, D); mask: (..., T, S) bool (True = attend) or None -> (B, H, T, D)
+    """
+    B, H, T, D = q.shape
+    n_rep = H // k.shape[1]
+    q = q.reshape(B, k.shape[1], n_rep * T, D)
+    if mask is not None and n_rep > 1:
+        mask = torch.cat([mask] * n_rep, dim=-2)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).view(B, H, T, D)
+
+
 class KVCache:
     """Contiguous per-layer K/V buffers of shape (B, n_kv_heads, max_seq_len, head_dim).
 
@@ -286,7 +313,9 @@ class Attention(nn.Module):
             return q, k
         return self.q_norm(q), self.k_norm(k)
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        """x: (B, T, hidden); cos, sin: (T, head_dim); mask: (T, S) bool or None; `layer` picks the
+        cache's layer. -> (B, T, hidden)"""
         B, T, _ = x.shape
         c = self.c
         q = self.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
@@ -296,8 +325,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # rotate before caching
         if cache is not None:
             k, v = cache.write(layer, k, v)
-        n_rep = c.num_attention_heads // c.num_key_value_heads
-        y = F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=mask)
+        y = grouped_attention(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -320,7 +348,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, cos, sin, mask, cache, layer):
+    def forward(self, x, cos, sin, mask=None, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        """One decoder layer. x: (B, T, hidden); cos, sin, mask as Llama.layer_inputs returns them;
+        with a cache, `layer` is this layer's index in it (the cache advances in Llama.forward)."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -354,15 +384,36 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # RoPE tables for every position, computed once (not saved: HF checkpoints hold no tables).
+        positions = torch.arange(config.max_position_embeddings)
+        cos, sin = rope_cos_sin(positions, config.head_dim, config.rope_theta, scaling=config.rope_scaling)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_position_embeddings, head_dim)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def rope(self, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (T, head_dim) for positions start .. start + T - 1, sliced from the tables.
+        Past max_position_embeddings (which HF allows too) they are computed on the fly."""
+        if start + T <= self.rope_cos.shape[0]:
+            return self.rope_cos[start : start + T], self.rope_sin[start : start + T]
+        c = self.config
+        positions = torch.arange(start, start + T, device=self.rope_cos.device)
+        return rope_cos_sin(positions, c.head_dim, c.rope_theta, self.rope_cos.dtype, c.rope_scaling)
+
+    def layer_inputs(self, input_ids: torch.Tensor, start: int = 0):
+        """What forward hands every decoder layer, for running layers one at a time:
+        `x = layer(x, cos, sin, mask)` (add `cache, i` to write layer i of a KVCache).
+
+        input_ids: (B, T) int64 at positions start .. start + T - 1 -> x (B, T, hidden) token
+        embeddings, cos/sin (T, head_dim), mask (T, start + T) bool causal (and windowed), or None
+        when nothing is masked (a one-token step)."""
+        T = input_ids.shape[1]
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(start, T)
+        return x, cos, sin, causal_mask(start, T, self.config.sliding_window, x.device)
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        B, T = input_ids.shape
-        start = cache.length if cache is not None else 0
-        positions = torch.arange(start, start + T, device=input_ids.device)
-        x = self.model.embed_tokens(input_ids)
-        c = self.config
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
-        mask = causal_mask(start, T, c.sliding_window, x.device)
+        T = input_ids.shape[1]
+        x, cos, sin, mask = self.layer_inputs(input_ids, cache.length if cache is not None else 0)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, mask, cache, i)
         if cache is not None:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F  # noqa: F401
 from torch import nn
 
-from labkit.calibration import block_inputs, record_inputs
+from labkit.calibration import record_inputs
 
 from .primitives import quantize_int8
 
@@ -61,15 +61,15 @@ def _smoothing_pairs(layer: nn.Module) -> dict[str, tuple[nn.Module, list[nn.Lin
 @torch.no_grad()
 def smooth_model(model: nn.Module, calib: torch.Tensor, alpha: float = 0.5) -> nn.Module:
     """Fold smoothing scales into every decoder layer's two norms, in place; logits are unchanged."""
-    x, cos, sin, mask = block_inputs(model, calib)
-    for i, layer in enumerate(model.model.layers):
+    x, cos, sin, mask = model.layer_inputs(calib)
+    for layer in model.model.layers:
         pairs = _smoothing_pairs(layer)
         with record_inputs({name: layer.get_submodule(name) for name in pairs}) as inputs:
-            layer(x, cos, sin, mask, None, i)
+            layer(x, cos, sin, mask)
         for name, (norm, linears) in pairs.items():
             act_max = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[name]]).abs().amax(0)
             fold_scale(norm, linears, smoothing_scales(act_max, [lin.weight for lin in linears], alpha))
-        x = layer(x, cos, sin, mask, None, i)
+        x = layer(x, cos, sin, mask)
     return model
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from labkit.calibration import block_inputs, record_inputs
+from labkit.calibration import record_inputs
 
 from .primitives import dequantize_groupwise, quantize_groupwise
 from .quant_linear import quantize_model
@@ -56,12 +56,12 @@ def search_scale(
     return best[1], best[2]
 
 
-def _scaling_groups(layer: nn.Module, cos, sin, mask, i: int):
+def _scaling_groups(layer: nn.Module, cos, sin, mask):
     """(prev op, linears, block function, name of the linear whose input feeds the block) of a Llama layer."""
     attn, mlp = layer.self_attn, layer.mlp
     groups = [
         (layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj],
-         lambda h: attn(h, cos, sin, mask, None, i), "self_attn.q_proj"),
+         lambda h: attn(h, cos, sin, mask), "self_attn.q_proj"),
         (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], mlp, "mlp.gate_proj"),
         (mlp.up_proj, [mlp.down_proj], mlp.down_proj, "mlp.down_proj"),
     ]  # fmt: skip
@@ -76,15 +76,15 @@ def awq_scale_model(
 ) -> nn.Module:
     """Search and fold AWQ scales into every decoder layer, in place. Still float and still exactly
     the same function: only the distribution of magnitudes between ops has changed."""
-    x, cos, sin, mask = block_inputs(model, calib)
-    for i, layer in enumerate(model.model.layers):
-        groups = _scaling_groups(layer, cos, sin, mask, i)
+    x, cos, sin, mask = model.layer_inputs(calib)
+    for layer in model.model.layers:
+        groups = _scaling_groups(layer, cos, sin, mask)
         with record_inputs({name: layer.get_submodule(name) for *_, name in groups}) as inputs:
-            layer(x, cos, sin, mask, None, i)
+            layer(x, cos, sin, mask)
         for prev, linears, block, name in groups:
             s, _ = search_scale(block, torch.cat(inputs[name]), linears, bits, group_size, n_grid)
             fold_scale(prev, linears, s)
-        x = layer(x, cos, sin, mask, None, i)
+        x = layer(x, cos, sin, mask)
     return model
 
 

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from labkit.calibration import block_inputs, record_inputs
+from labkit.calibration import record_inputs
 
 from .primitives import quantize_groupwise
 from .quant_linear import QuantLinear
@@ -134,16 +134,16 @@ def gptq_quantize_model(
     calib: (B, T) int64 calibration windows. Layers are done in order; each layer's Hessians come
     from the outputs of the already-quantized layers before it, as in the GPTQ paper.
     """
-    x, cos, sin, mask = block_inputs(model, calib)
-    for i, layer in enumerate(model.model.layers):
+    x, cos, sin, mask = model.layer_inputs(calib)
+    for layer in model.model.layers:
         linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}
         with record_inputs(linears) as inputs:
-            layer(x, cos, sin, mask, None, i)
+            layer(x, cos, sin, mask)
         for name, linear in linears.items():
             h = Hessian(linear.in_features)
             for batch in inputs[name]:
                 h.add_batch(batch)
             codes, scales, zeros = gptq_quantize(linear.weight.float(), h.H, bits, group_size, act_order=act_order)
             layer.set_submodule(name, QuantLinear.from_groupwise(codes, scales, zeros, bits))
-        x = layer(x, cos, sin, mask, None, i)
+        x = layer(x, cos, sin, mask)
     return model

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from labkit.model import Llama, apply_rope, refuse_extras, rope_cos_sin
+from labkit.model import Llama, apply_rope, refuse_extras
 
 from .block_manager import BlockManager
 from .byte_dfa import compile_regex
@@ -104,7 +104,7 @@ def forward_paged(
     c = model.config
     N = len(input_ids)
     x = model.model.embed_tokens(input_ids)  # (N, hidden)
-    cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)  # (N, head_dim)
+    cos, sin = model.rope_cos[positions], model.rope_sin[positions]  # (N, head_dim), from the model's tables
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         h = layer.input_layernorm(x)

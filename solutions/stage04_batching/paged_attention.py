@@ -62,6 +62,8 @@ def paged_attention(
                   (the scaled dot-product softmax, scale 1/sqrt(head_dim), GQA head h reads kv head
                   h // (n_heads // n_kv_heads))
     """
+    if len(q) == len(query_lens):  # a pure decode step: one query per sequence, nothing to pad or scatter
+        return _decode(q, k_pool, v_pool, block_tables, context_lens)
     starts = torch.cumsum(query_lens, 0) - query_lens
     out = torch.empty_like(q)
     # Decodes are padded into one batch; prefill chunks go apart so a long chunk does not pad every decode.
@@ -91,6 +93,17 @@ def _attend(q, k_pool, v_pool, block_tables, context_lens, query_lens):
         qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], enable_gqa=n_heads != n_kv
     )  # (B, n_heads, Tq, D); query head h reads kv head h // (n_heads // n_kv)
     return y.transpose(1, 2)[seq, col]
+
+
+def _decode(q, k_pool, v_pool, block_tables, context_lens):
+    """paged_attention when every sequence brings one query, the last of its context: no causal mask needed."""
+    k = k_pool[block_tables].flatten(1, 2).transpose(1, 2)  # (B, n_kv, max_blocks * bs, D)
+    v = v_pool[block_tables].flatten(1, 2).transpose(1, 2)
+    mask = torch.arange(k.shape[2]) < context_lens[:, None]  # (B, K): this sequence's keys
+    y = F.scaled_dot_product_attention(
+        q[:, :, None], k, v, attn_mask=mask[:, None, None], enable_gqa=q.shape[1] != k.shape[1]
+    )  # (B, n_heads, 1, D); query head h reads kv head h // (n_heads // n_kv)
+    return y[:, :, 0]
 
 
 def _offsets(lens: torch.Tensor) -> torch.Tensor:

@@ -140,8 +140,8 @@ def test_impl_switch(monkeypatch):
 
 
 def test_benchmark_names_of_every_stage_row():
-    assert [bench.benchmark_name(s) for s in ("2", "02", "2b", "02B", "7")] == [
-        "stage02", "stage02", "stage02b", "stage02b", "stage07"
+    assert [bench.benchmark_name(s) for s in ("2", "02", "2b", "02B", "7", "04_latency", "decode")] == [
+        "stage02", "stage02", "stage02b", "stage02b", "stage07", "stage04_latency", "decode"
     ]  # fmt: skip
     with pytest.raises(SystemExit, match="such as 02"):
         bench.benchmark_name("two")

@@ -78,12 +78,12 @@ def test_awq_folded_model_has_the_same_logits(impl, name):
     )
 
 
-def awq_groups(layer, cos, sin, mask, i: int):
+def awq_groups(layer, cos, sin, mask):
     """AWQ's scaling groups of a Llama layer (the paper's, as in llm-awq's auto_scale): (op before,
     linears that read its output, the float function the loss is measured on, which input to record)."""
     attn, mlp = layer.self_attn, layer.mlp
     groups = [
-        (layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], lambda h: attn(h, cos, sin, mask, None, i), attn.q_proj),
+        (layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj], lambda h: attn(h, cos, sin, mask), attn.q_proj),
         (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], mlp, mlp.gate_proj),
         (mlp.up_proj, [mlp.down_proj], mlp.down_proj, mlp.down_proj),
     ]  # fmt: skip
@@ -96,17 +96,17 @@ def awq_groups(layer, cos, sin, mask, i: int):
 def layer_by_layer_awq(awq, fold_scale, model, calib, bits: int, group_size: int):
     """AWQ on a model written out: per layer, record each group's input, search s with the module's
     (separately tested) search_scale, fold it, then run the scaled layer to get the next one's input."""
-    from labkit.calibration import block_inputs, record_inputs
+    from labkit.calibration import record_inputs
 
-    x, cos, sin, mask = block_inputs(model, calib)
-    for i, layer in enumerate(model.model.layers):
-        groups = awq_groups(layer, cos, sin, mask, i)
+    x, cos, sin, mask = model.layer_inputs(calib)
+    for layer in model.model.layers:
+        groups = awq_groups(layer, cos, sin, mask)
         with record_inputs({j: m for j, (*_, m) in enumerate(groups)}) as inputs:
-            layer(x, cos, sin, mask, None, i)
+            layer(x, cos, sin, mask)
         for j, (prev, linears, block, _) in enumerate(groups):
             s, _ = awq.search_scale(block, torch.cat(inputs[j]), linears, bits, group_size)
             fold_scale(prev, linears, s)
-        x = layer(x, cos, sin, mask, None, i)
+        x = layer(x, cos, sin, mask)
     return model
 
 

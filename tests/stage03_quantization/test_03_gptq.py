@@ -141,14 +141,14 @@ def layer_by_layer_gptq(gptq, model, calib, bits: int, group_size: int, act_orde
     the inputs it receives after every layer before it was quantized. Each linear is quantized
     with the module's own (separately tested) Hessian and gptq_quantize; returns {name: W_hat}
     and quantizes `model` in place (its nn.Linear weights become W_hat)."""
-    from labkit.calibration import block_inputs, record_inputs
+    from labkit.calibration import record_inputs
 
-    x, cos, sin, mask = block_inputs(model, calib)
+    x, cos, sin, mask = model.layer_inputs(calib)
     weights = {}
     for i, layer in enumerate(model.model.layers):
         linears = {name: m for name, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
         with record_inputs(linears) as inputs:
-            layer(x, cos, sin, mask, None, i)
+            layer(x, cos, sin, mask)
         for name, linear in linears.items():
             h = gptq.Hessian(linear.in_features)
             for batch in inputs[name]:
@@ -156,7 +156,7 @@ def layer_by_layer_gptq(gptq, model, calib, bits: int, group_size: int, act_orde
             codes, scales, zeros = gptq.gptq_quantize(linear.weight.float(), h.H, bits, group_size, act_order=act_order)
             linear.weight.copy_(dequant(codes, scales.half(), zeros))  # QuantLinear keeps float16 scales
             weights[f"model.layers.{i}.{name}"] = linear.weight.clone()
-        x = layer(x, cos, sin, mask, None, i)
+        x = layer(x, cos, sin, mask)
     return weights
 
 

@@ -110,21 +110,21 @@ def layer_by_layer_smoothing(sq, model, calib, alpha: float):
     """SmoothQuant on a model written out: per layer, the running max |x| per channel of the input
     of q/k/v and of gate/up, over every calibration token, turned into s by the module's (separately
     tested) smoothing_scales and folded by its fold_scale; the next layer sees the smoothed layer."""
-    from labkit.calibration import block_inputs, record_inputs
+    from labkit.calibration import record_inputs
 
-    x, cos, sin, mask = block_inputs(model, calib)
-    for i, layer in enumerate(model.model.layers):
+    x, cos, sin, mask = model.layer_inputs(calib)
+    for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         groups = [
             (layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj]),
             (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj]),
         ]
         with record_inputs({j: linears[0] for j, (_, linears) in enumerate(groups)}) as inputs:
-            layer(x, cos, sin, mask, None, i)
+            layer(x, cos, sin, mask)
         for j, (norm, linears) in enumerate(groups):
             act_max = torch.cat([t.reshape(-1, t.shape[-1]) for t in inputs[j]]).abs().amax(0)
             sq.fold_scale(norm, linears, sq.smoothing_scales(act_max, [lin.weight for lin in linears], alpha))
-        x = layer(x, cos, sin, mask, None, i)
+        x = layer(x, cos, sin, mask)
     return model
 
 

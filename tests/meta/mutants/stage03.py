@@ -325,14 +325,14 @@ MUTANTS = [
     ),
     dict(
         file="gptq.py",
-        find="        x = layer(x, cos, sin, mask, None, i)\n    return model",
+        find="        x = layer(x, cos, sin, mask)\n    return model",
         replace="    return model",
         bug="gptq_quantize_model never propagates inputs to the next layer",
     ),
     dict(
         file="gptq.py",
-        find="            layer(x, cos, sin, mask, None, i)\n        for name, linear in linears.items():",
-        replace="            layer(x, cos, sin, mask, None, i)\n        x = layer(x, cos, sin, mask, None, i)\n        for name, linear in linears.items():",
+        find="            layer(x, cos, sin, mask)\n        for name, linear in linears.items():",
+        replace="            layer(x, cos, sin, mask)\n        x = layer(x, cos, sin, mask)\n        for name, linear in linears.items():",
         bug="gptq_quantize_model propagates the float layer's output, not the quantized one's",
     ),
     # awq.py
@@ -387,7 +387,7 @@ MUTANTS = [
     ),
     dict(
         file="awq.py",
-        find="        x = layer(x, cos, sin, mask, None, i)\n    return model",
+        find="        x = layer(x, cos, sin, mask)\n    return model",
         replace="    return model",
         bug="awq_scale_model never propagates inputs to the next layer",
     ),

@@ -482,4 +482,10 @@ MUTANTS = [
         replace="        pass",
         bug="stream_events never sends [DONE]",
     ),
+    dict(
+        file="paged_attention.py",
+        find="mask = torch.arange(k.shape[2]) < context_lens[:, None]",
+        replace="mask = torch.arange(k.shape[2]) <= context_lens[:, None]",
+        bug="paged_attention's decode path reads one slot past each sequence's context",
+    ),
 ]

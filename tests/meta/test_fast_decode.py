@@ -1,0 +1,70 @@
+"""labkit.fast_decode.StaticDecoder: the fused, static-shape decode step must give the model's logits."""
+
+import pytest
+import torch
+
+from labkit import checkpoint
+from labkit.fast_decode import StaticDecoder
+from labkit.model import Config, Llama, init_weights
+from labkit.testing import LLAMA_CONFIGS, labkit_from_hf, random_llama, random_tokens
+
+
+def decode_both(model: Llama, backend: str, seed: int, batch: int = 2, prompt: int = 9, steps: int = 5, device="cpu"):
+    """Logits of `steps` one-token steps after a prompt: model(ids, cache) against StaticDecoder."""
+    model = model.to(device)
+    ids = random_tokens(seed, prompt + steps, model.config.vocab_size, batch).to(device)
+    want_cache, got_cache = model.new_cache(batch, 32), model.new_cache(batch, 32)
+    with torch.no_grad():
+        model(ids[:, :prompt], want_cache)
+        model(ids[:, :prompt], got_cache)
+        decoder = StaticDecoder(model, got_cache, backend)
+        want = [model(ids[:, t : t + 1], want_cache) for t in range(prompt, prompt + steps)]
+        got = [decoder(ids[:, t : t + 1]) for t in range(prompt, prompt + steps)]
+    return torch.cat(want, 1), torch.cat(got, 1), want_cache, got_cache
+
+
+@pytest.mark.parametrize("name", LLAMA_CONFIGS)
+def test_fused_step_equals_the_model(name):
+    seed = len(name)
+    model = labkit_from_hf(random_llama(seed=seed, **LLAMA_CONFIGS[name]))
+    want, got, want_cache, got_cache = decode_both(model, "eager", seed)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"seed={seed} config {name}: logits")
+    assert got_cache.length == want_cache.length == 14, f"seed={seed}: the decoder advances the cache by one per step"
+    for layer in range(model.config.num_hidden_layers):
+        torch.testing.assert_close(got_cache.k[layer][:, :, :14], want_cache.k[layer][:, :, :14], atol=1e-5, rtol=0)
+        torch.testing.assert_close(got_cache.v[layer][:, :, :14], want_cache.v[layer][:, :, :14], atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_step_equals_the_model():
+    config = {**LLAMA_CONFIGS["gqa4-3layers"], "num_hidden_layers": 1}  # compile time grows with depth
+    model = labkit_from_hf(random_llama(seed=5, **config))
+    want, got, *_ = decode_both(model, "compile", seed=5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg="seed=5: torch.compile'd step")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_step_equals_the_model():
+    model = labkit_from_hf(random_llama(seed=6, **LLAMA_CONFIGS["gqa2-tied"]))
+    want, got, *_ = decode_both(model, "cudagraph", seed=6, device="cuda")
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg="seed=6: replayed CUDA graph")
+
+
+def test_clear_errors():
+    model = init_weights(Llama(Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=16)))  # fmt: skip
+    cache = model.new_cache(1, 4)
+    with pytest.raises(ValueError, match="choose one of"):
+        StaticDecoder(model, cache, "fast")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="GPU"):
+            StaticDecoder(model, cache, "cudagraph")
+    decoder = StaticDecoder(model, cache, "eager")
+    for _ in range(4):
+        decoder(torch.ones(1, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="longer one"):
+        decoder(torch.ones(1, 1, dtype=torch.long))
+    qwen3 = Llama(Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, qk_norm=True))  # fmt: skip
+    with pytest.raises(checkpoint.CheckpointError, match="qk_norm"):
+        StaticDecoder(qwen3, qwen3.new_cache(1, 4), "eager")
