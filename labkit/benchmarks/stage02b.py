@@ -111,10 +111,10 @@ def first_token_share(model, ids: torch.Tensor) -> list[float]:
 
     A model with attention sinks gives position 0 a large share; labkit's model attends with SDPA and
     returns no weights, so this reads q and k off each layer's projections and applies RoPE again."""
-    from labkit.model import apply_rope, repeat_kv, rope_cos_sin
+    from labkit.model import apply_rope, repeat_kv
 
     c, T = model.config, ids.shape[1]
-    cos, sin = rope_cos_sin(torch.arange(T), c.head_dim, c.rope_theta, scaling=c.rope_scaling)
+    cos, sin = model.rope(0, T)
     captured = []
     hooks = [
         layer.self_attn.register_forward_hook(lambda m, args, out: captured.append(args[0]))
