@@ -224,6 +224,7 @@ class LLMEngine:
             for seq in group:
                 if self.fault_hook is not None:
                     self.fault_hook(seq)
+            self.before_forward(group, counts)
             return run_batch(self.model, self.cache, group, counts)
 
         try:
@@ -240,6 +241,10 @@ class LLMEngine:
             except Exception as e:
                 rows.append(e)
         return rows
+
+    def before_forward(self, seqs: list[Sequence], num_tokens: list[int]) -> None:
+        """Called with the sequences of each forward pass just before it runs (LoRAEngine maps their
+        tokens to adapters here); nothing to do for the base model."""
 
     def _fail(self, seq: Sequence, e: Exception) -> RequestOutput:
         """Finish a request the engine could not serve, free its blocks, and say why."""

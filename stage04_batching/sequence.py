@@ -18,6 +18,7 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    lora: str | None = None  # the LoRA adapter that serves the request (lora_engine.py); None: the base model
 
     def __post_init__(self):
         if self.max_tokens < 1:
