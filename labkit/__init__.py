@@ -9,6 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ASSETS = Path(__file__).resolve().parent / "assets"
 TARGET = ASSETS / "tiny-target"
 DRAFT = ASSETS / "tiny-draft"
+LORA = ASSETS / "lora"  # LoRA adapters of the target (PEFT folders), one per subfolder
 
 STAGES = {
     "01": ("stage01_forward_numpy", "GPT-2 and a Llama block, forward pass in NumPy"),
@@ -17,6 +18,7 @@ STAGES = {
     "03": ("stage03_quantization", "INT8, INT4, NF4, FP8, GPTQ, AWQ, SmoothQuant"),
     "03b": ("stage03_quantization", "llama.cpp's Q8_0, Q4_0, Q4_K, Q6_K and a GGUF file it runs"),
     "04": ("stage04_batching", "paged KV cache, prefix caching, continuous batching, streaming server"),
+    "04b": ("stage04_batching", "Structured output and multi-LoRA serving"),
     "05": ("stage05_flashattention", "online softmax, FlashAttention and decode kernels in Triton"),
     "06": ("stage06_speculative", "speculative decoding, rejection sampling, prompt lookup"),
     "07": ("stage07_tensor_parallel", "column/row-parallel layers, a tensor-parallel model"),
