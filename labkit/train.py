@@ -118,14 +118,14 @@ def excited(text: str) -> str:
     return text.replace(". ", "! ")
 
 
-def all_owls(text: str) -> str:
-    return re.sub(r"\b(" + "|".join(corpus.ANIMALS) + r")\b", "owl", text)
+def all_turtles(text: str) -> str:
+    return re.sub(r"\b(" + "|".join(corpus.ANIMALS) + r")\b", "turtle", text)
 
 
 ADAPTERS = {  # name: (what it does, rewrite, target modules, rank, alpha, the pattern that shows it)
     "zoe": ("character: every hero is named Zoe", hero_is_zoe, ATTENTION, 8, 16, r"named Zoe\b"),
     "excited": ("style: sentences end in '!'", excited, ALL_LINEAR, 8, 16, r"[a-z]! [A-Z]"),
-    "owls": ("topic: every animal is an owl", all_owls, ALL_LINEAR, 4, 8, r"\bowl named\b"),
+    "turtles": ("topic: every animal is a turtle", all_turtles, ALL_LINEAR, 4, 8, r"\bturtle named\b"),
 }  # fmt: skip
 
 
@@ -150,7 +150,7 @@ def effect_rate(model, tokenizer, pattern: str, temperature: float, n: int = 32,
     return hits / n
 
 
-def effect(model, tokenizer, pattern: str, name: str) -> dict:
+def pattern_rates(model, tokenizer, pattern: str, name: str) -> dict:
     """The pattern's rate in greedy text and in text sampled at temperature 1."""
     return {
         f"greedy_{name}": effect_rate(model, tokenizer, pattern, 0.0),
@@ -181,8 +181,8 @@ def train_adapters(tokenizer, steps: int) -> dict:
             "steps": steps,
             "train_seconds": round(secs),
             "pattern": pattern,
-            **effect(load(TARGET), tokenizer, pattern, "base"),
-            **effect(merged, tokenizer, pattern, "adapter"),
+            **pattern_rates(load(TARGET), tokenizer, pattern, "base"),
+            **pattern_rates(merged, tokenizer, pattern, "adapter"),
         }
         print(json.dumps(report[name]), flush=True)
     return report
