@@ -1,8 +1,8 @@
 """Train the course's tiny models from scratch, deterministically, on the CPU.
 
-    python -m labkit.train            # tokenizer, target, then the distilled draft (~30 min, 2 cores)
+    python -m labkit.train            # tokenizer, target, the distilled draft, the LoRA adapters (~40 min, 2 cores)
     python -m labkit.train --only draft
-    python -m labkit.train --only lora   # the three LoRA adapters of stage 04 part 2 (~3 min each, one thread)
+    python -m labkit.train --only lora   # the three LoRA adapters of stage 04 part 2 (2–6 min each on a busy 2-core VM)
 
 Writes Hugging Face folders labkit/assets/tiny-target and labkit/assets/tiny-draft (bf16 weights,
 one shared byte-level BPE tokenizer) and labkit/assets/training_report.json with the figures the
@@ -238,6 +238,8 @@ def main(argv=None):
             report["draft"] = {"params": draft.num_params(), "train_seconds": round(secs), "steps": args.draft_steps}
 
     report.update(evaluate.report_pair(load(TARGET), load(DRAFT), tokenizer))
+    if args.only is None:  # a new target needs new adapters
+        report["lora"] = train_adapters(tokenizer, args.lora_steps)
     report_file.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
