@@ -48,6 +48,27 @@ def test_bgmv_gives_each_token_its_own_adapter(impl, seed):
     assert err < 1e-5, f"seed={seed}: bgmv differs from the per-token loop (relative error {err:.2e})"
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bgmv_never_builds_an_adapters_full_weight_delta(impl, seed):
+    """B (A x) with r columns in between, not (B A) x: the d_out x d_in product is what merging costs."""
+    from labkit.tensor_memory import TensorWatch
+
+    g = torch.Generator().manual_seed(seed)
+    S, r, d_in, d_out, N = 3, 4, 96, 80, 7
+    x, a, b = (
+        torch.randn(N, d_in, generator=g),
+        torch.randn(S, r, d_in, generator=g),
+        torch.randn(S, d_out, r, generator=g),
+    )
+    indices = torch.tensor([0, 1, 2, -1, 2, 0, 1])
+    with TensorWatch() as watch:
+        impl(LORA_MOD).bgmv(x, a, b, indices, torch.ones(S))
+    assert watch.largest_numel < d_out * d_in, (
+        f"seed={seed}: bgmv made a tensor of shape {watch.largest_shape}; a (d_out, d_in) = ({d_out}, {d_in}) "
+        "product B A is a merged weight delta: multiply by A first, then by B"
+    )
+
+
 # ---- §3 the adapter registry ---------------------------------------------------------------------
 
 
