@@ -9,6 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ASSETS = Path(__file__).resolve().parent / "assets"
 TARGET = ASSETS / "tiny-target"
 DRAFT = ASSETS / "tiny-draft"
+LORA = ASSETS / "lora"  # LoRA adapters of the target (PEFT folders), one per subfolder
 
 STAGES = {
     "01": ("stage01_forward_numpy", "GPT-2 and a Llama block, forward pass in NumPy"),

@@ -1,8 +1,9 @@
 """Train the course's tiny models from scratch, deterministically, on the CPU.
 
-    python -m labkit.train            # tokenizer, target, distilled draft (~30 min, 2 cores), Medusa heads
+    python -m labkit.train            # tokenizer, target, distilled draft, Medusa heads, LoRA adapters (~55 min, 2 cores)
     python -m labkit.train --only draft
     python -m labkit.train --only medusa  # Medusa heads on the shipped target (14 min on a busy 2-core VM)
+    python -m labkit.train --only lora    # the three LoRA adapters of stage 04 part 2 (2–6 min each on a busy 2-core VM)
 
 Writes Hugging Face folders labkit/assets/tiny-target and labkit/assets/tiny-draft (bf16 weights,
 one shared byte-level BPE tokenizer) and labkit/assets/training_report.json with the figures the
@@ -10,11 +11,16 @@ README quotes. The draft is distilled on the target's own next-token distributio
 what makes it agree with the target often enough for speculative decoding to pay off.
 The Medusa heads (labkit/medusa.py) learn the target's own greedy tokens 2..K+1 places ahead
 from its frozen hidden states, and go to labkit/assets/tiny-target-medusa.
+
+The LoRA adapters (labkit/assets/lora/NAME, PEFT folders: adapter_config.json and
+adapter_model.safetensors) fine-tune the target through `peft` on stories rewritten one way each,
+so a learner sees which adapter served a request: a character name, a style, a topic.
 """
 
 import argparse
 import json
 import math
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -22,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import ASSETS, DRAFT, TARGET, corpus, medusa, quality
+from . import ASSETS, DRAFT, LORA, TARGET, corpus, medusa, quality
 from .checkpoint import load_tokenizer
 from .device import pin_threads
 from .model import Config, Llama, from_pretrained, init_weights, save
@@ -180,11 +186,102 @@ def train_medusa(target: Llama, tokenizer, steps: int = 400, batch: int = 1024, 
     return report
 
 
+# The LoRA adapters: how each rewrites the training stories, the modules it adapts, its rank, and
+# the pattern that shows it in generated text (training_report.json records how often it appears).
+ATTENTION = ["q_proj", "v_proj"]
+LORA_LR = 8e-3  # a name appears once per story: a lower rate leaves it the argmax but still a rare sample
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# The rewrites use only words the target already knows: a token it never saw has an embedding that
+# pre-training pushed far from every hidden state, and a few LoRA steps cannot bring it back.
+
+
+def hero_is_zoe(text: str) -> str:
+    hero = re.search(r"named (\w+)\.", text).group(1)
+    return re.sub(rf"\b{hero}\b", "Zoe", text)
+
+
+def excited(text: str) -> str:
+    return text.replace(". ", "! ")
+
+
+def all_turtles(text: str) -> str:
+    return re.sub(r"\b(" + "|".join(corpus.ANIMALS) + r")\b", "turtle", text)
+
+
+ADAPTERS = {  # name: (what it does, rewrite, target modules, rank, alpha, the pattern that shows it)
+    "zoe": ("character: every hero is named Zoe", hero_is_zoe, ATTENTION, 8, 16, r"named Zoe\b"),
+    "excited": ("style: sentences end in '!'", excited, ALL_LINEAR, 8, 16, r"[a-z]! [A-Z]"),
+    "turtles": ("topic: every animal is a turtle", all_turtles, ALL_LINEAR, 4, 8, r"\bturtle named\b"),
+}  # fmt: skip
+
+
+@torch.no_grad()
+def effect_rate(model, tokenizer, pattern: str, temperature: float, n: int = 32, new_tokens: int = 32) -> float:
+    """Fraction of n continuations of "Once upon a time, there was a" in which `pattern` appears:
+    sampled at `temperature` with seeds 0..n-1, or the greedy one (temperature 0: 0 or 1)."""
+    prompt = [1, *tokenizer.encode("Once upon a time, there was a").ids]
+    n = n if temperature > 0 else 1
+    hits = 0
+    for seed in range(n):
+        gen = torch.Generator().manual_seed(seed)
+        cache = model.new_cache(1, len(prompt) + new_tokens)
+        logits, out = model(torch.tensor([prompt]), cache)[0, -1], []
+        for _ in range(new_tokens):
+            if temperature > 0:
+                out.append(int(torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=gen)))
+            else:
+                out.append(int(logits.argmax()))
+            logits = model(torch.tensor([out[-1:]]), cache)[0, -1]
+        hits += re.search(pattern, tokenizer.decode(out)) is not None
+    return hits / n
+
+
+def pattern_rates(model, tokenizer, pattern: str, name: str) -> dict:
+    """The pattern's rate in greedy text and in text sampled at temperature 1."""
+    return {
+        f"greedy_{name}": effect_rate(model, tokenizer, pattern, 0.0),
+        f"sampled_{name}": effect_rate(model, tokenizer, pattern, 1.0),
+    }
+
+
+def train_adapters(tokenizer, steps: int) -> dict:
+    """Fine-tune a LoRA adapter per ADAPTERS entry on 2,000 rewritten stories; save each as a PEFT folder."""
+    from peft import LoraConfig, get_peft_model
+
+    report = {}
+    for seed, (name, (effect, rewrite, targets, rank, alpha, pattern)) in enumerate(ADAPTERS.items()):
+        ids = quality.pack(tokenizer, [rewrite(t) for t in corpus.train_texts(2_000)])
+        torch.manual_seed(seed)  # peft draws lora_A from the global generator
+        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0)
+        model = get_peft_model(from_pretrained(TARGET), config).train()
+        print(f"lora {name}: {effect}; rank {rank} on {targets}, {steps} steps", flush=True)
+        secs = fit(model, ids, steps, batch=2, peak_lr=LORA_LR, teacher=None, seed=10 + seed)
+        model.save_pretrained(LORA / name)
+        (LORA / name / "README.md").unlink()  # peft's model-card template: nothing to ship
+        merged = model.merge_and_unload().eval()
+        report[name] = {
+            "effect": effect,
+            "rank": rank,
+            "lora_alpha": alpha,
+            "target_modules": targets,
+            "steps": steps,
+            "train_seconds": round(secs),
+            "pattern": pattern,
+            **pattern_rates(from_pretrained(TARGET), tokenizer, pattern, "base"),
+            **pattern_rates(merged, tokenizer, pattern, "adapter"),
+        }
+        print(json.dumps(report[name]), flush=True)
+    return report
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--only", choices=["target", "draft", "medusa"], help="train just one model (draft, medusa need the target)"
+        "--only",
+        choices=["target", "draft", "medusa", "lora"],
+        help="train just one part (draft, medusa and lora need the target)",
     )
+    ap.add_argument("--lora-steps", type=int, default=60)
     ap.add_argument("--target-steps", type=int, default=300)
     ap.add_argument("--draft-steps", type=int, default=300)
     ap.add_argument("--threads", type=int, help="torch threads (1 trains faster on a busy machine)")
@@ -198,6 +295,10 @@ def main(argv=None):
         report["medusa"] = train_medusa(from_pretrained(TARGET), load_tokenizer(TARGET))
         report_file.write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps(report["medusa"], indent=2))
+        return
+    if args.only == "lora":
+        report["lora"] = train_adapters(load_tokenizer(TARGET), args.lora_steps)
+        report_file.write_text(json.dumps(report, indent=2) + "\n")
         return
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -232,6 +333,8 @@ def main(argv=None):
             report["medusa"] = train_medusa(target, tokenizer)
 
     report.update(quality.report_pair(from_pretrained(TARGET), from_pretrained(DRAFT), tokenizer))
+    if args.only is None:  # a new target needs new adapters
+        report["lora"] = train_adapters(tokenizer, args.lora_steps)
     report_file.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

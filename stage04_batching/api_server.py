@@ -2,7 +2,8 @@
 
     app = create_app(engine, tokenizer)    # python -m stage04_batching.serve runs it with uvicorn
 
-/v1/completions and /v1/chat/completions (streaming or not), /v1/models, /health, /metrics. A request
+/v1/completions and /v1/chat/completions (streaming or not), /v1/models, /health, /metrics. With a
+LoRAEngine, `"model": "tiny-target:pip"` (or vLLM's bare adapter name, `"pip"`) picks the adapter. A request
 is checked before it costs anything: its body size before parsing, every field against what the engine
 can take, its length against the context after tokenizing (in a worker thread, so a large prompt does
 not stall other clients' streams). A client that disconnects, streaming or not, aborts its request.
@@ -10,6 +11,7 @@ not stall other clients' streams). A client that disconnects, streaming or not, 
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -20,6 +22,7 @@ from pydantic import ValidationError
 
 from .async_engine import AsyncEngine, EngineError, QueueFull, stream_events
 from .engine import LLMEngine, RequestOutput
+from .lora_engine import LoRAEngine
 from .metrics import CONTENT_TYPE
 from .protocol import (
     ChatCompletionRequest,
@@ -64,11 +67,28 @@ def create_app(
 
     app = FastAPI(title="stage04 inference server", lifespan=lifespan)
     app.state.core = core
+    adapters = sorted(engine.registry.paths) if isinstance(engine, LoRAEngine) else []
+
+    def adapter_of(model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); LookupError if none matches."""
+        if model is None or model == model_name:
+            return None
+        name = model.removeprefix(f"{model_name}:")
+        if name in adapters:
+            return name
+        if adapters or ":" in model:
+            served = ", ".join([model_name, *(f"{model_name}:{a}" for a in adapters)])
+            raise LookupError(f"the model {model!r} does not exist; this server serves {served}")
+        return None  # a server without adapters answers whatever model name a client sends
 
     async def create_completion(request: Request, chat: bool) -> Response:
         req = await read_request(request, ChatCompletionRequest if chat else CompletionRequest, max_body_bytes)
         if isinstance(req, Response):
             return req
+        try:
+            lora = adapter_of(req.model)
+        except LookupError as e:
+            return error(404, str(e), "model")
         param = "messages" if chat else "prompt"
 
         def tokenize() -> list[int]:
@@ -99,7 +119,7 @@ def create_app(
         if problem:
             return error(503, f"the engine is unavailable: {problem}")
         try:
-            request_id, queue = core.submit(ids, req.to_sampling_params())
+            request_id, queue = core.submit(ids, dataclasses.replace(req.to_sampling_params(), lora=lora))
         except QueueFull as e:
             return error(429, f"server busy: {e}; retry later", headers={"Retry-After": "1"})
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -133,7 +153,9 @@ def create_app(
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "course"}]}
+        base = {"id": model_name, "object": "model", "created": 0, "owned_by": "course"}
+        loras = [{**base, "id": f"{model_name}:{a}", "parent": model_name} for a in adapters]
+        return {"object": "list", "data": [base, *loras]}
 
     @app.get("/health")
     async def health():

@@ -19,6 +19,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     guided_regex: str | bytes | None = None  # structured output (part 2): the output must match this regex
+    lora: str | None = None  # the LoRA adapter that serves the request (lora_engine.py); None: the base model
 
     def __post_init__(self):
         if self.max_tokens < 1:

@@ -3,6 +3,7 @@
     MODEL=path/to/hf-folder make serve      # --model defaults to $MODEL, else labkit's tiny target
     curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
          -d '{"prompt": "Once upon a time", "max_tokens": 40, "stream": true}'
+    python -m stage04_batching.serve --lora-modules course     # then "model": "tiny-target:pirate"
 """
 
 import argparse
@@ -11,14 +12,25 @@ from pathlib import Path
 
 import uvicorn
 
-from labkit import TARGET
+from labkit import LORA, TARGET
 from labkit.checkpoint import load_tokenizer
 from labkit.loadtest import fail_on_marker
 from labkit.model import from_pretrained
 
 from .api_server import create_app
 from .engine import LLMEngine
+from .lora import AdapterRegistry
+from .lora_engine import LoRAEngine
 from .protocol import load_chat_template
+
+
+def lora_modules(specs: list[str]) -> dict[str, Path]:
+    """{name: folder} from `name=path` pairs; `course` stands for every adapter in labkit/assets/lora."""
+    if specs == ["course"]:
+        return {folder.name: folder for folder in sorted(LORA.iterdir())}
+    if not all("=" in spec for spec in specs):
+        raise SystemExit(f"--lora-modules takes NAME=PATH pairs (or `course`), got {specs}")
+    return {name: Path(path) for name, path in (spec.split("=", 1) for spec in specs)}
 
 
 def main(argv=None) -> None:
@@ -30,15 +42,28 @@ def main(argv=None) -> None:
     ap.add_argument("--num-blocks", type=int, default=1024)
     ap.add_argument("--max-waiting", type=int, default=128)
     ap.add_argument(
+        "--lora-modules",
+        nargs="*",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) to serve, as vLLM takes them; "
+        "`--lora-modules course` serves labkit's own (pip, pirate, sea)",
+    )
+    ap.add_argument("--max-loras", type=int, default=2, help="adapter slots: how many are loaded at once")
+    ap.add_argument(
         "--fault-marker",
         help="requests whose prompt holds this text fail inside the engine step "
         "(to check fault isolation with labkit.loadtest --chaos)",
     )
     args = ap.parse_args(argv)
     tokenizer = load_tokenizer(args.model)
-    engine = LLMEngine(
-        from_pretrained(args.model), tokenizer, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs
-    )
+    engine_kw = dict(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs)
+    model = from_pretrained(args.model)
+    if args.lora_modules:
+        registry = AdapterRegistry(model.config, lora_modules(args.lora_modules), max_loras=args.max_loras)
+        engine = LoRAEngine(model, tokenizer, registry, **engine_kw)
+    else:
+        engine = LLMEngine(model, tokenizer, **engine_kw)
     if args.fault_marker:
         engine.fault_hook = fail_on_marker(tokenizer, args.fault_marker)
     app = create_app(

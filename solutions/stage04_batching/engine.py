@@ -269,6 +269,7 @@ class LLMEngine:
             for seq in group:
                 if self.fault_hook is not None:
                     self.fault_hook(seq)
+            self.before_forward(group, counts)
             return run_batch(self.model, self.cache, group, counts)
 
         try:
@@ -306,6 +307,10 @@ class LLMEngine:
             dead = not torch.isfinite(row).any()
             rows[i] = ValueError("the constraint allows no token of this vocabulary here") if dead else row
         return rows
+
+    def before_forward(self, seqs: list[Sequence], num_tokens: list[int]) -> None:
+        """Called with the sequences of each forward pass just before it runs (LoRAEngine maps their
+        tokens to adapters here); nothing to do for the base model."""
 
     def _fail(self, seq: Sequence, e: Exception) -> RequestOutput:
         """Finish a request the engine could not serve, free its blocks, and say why."""

@@ -118,8 +118,8 @@ def test_a_guided_request_stops_itself_and_eos_waits_for_an_accepting_state(impl
 
 
 @pytest.fixture(scope="module")
-def server(tokenizer):
-    s = LiveServer(tokenizer, max_waiting=64, request_timeout=60.0)
+def server(impl, tokenizer):
+    s = LiveServer(impl, tokenizer, max_waiting=64, request_timeout=60.0)
     yield s
     s.close()
 
