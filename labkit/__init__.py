@@ -19,6 +19,7 @@ STAGES = {
     "04": ("stage04_batching", "paged KV cache, prefix caching, continuous batching, streaming server"),
     "05": ("stage05_flashattention", "online softmax, FlashAttention and decode kernels in Triton"),
     "06": ("stage06_speculative", "speculative decoding, rejection sampling, prompt lookup"),
+    "06b": ("stage06_speculative", "Speculation in a batching engine, Medusa heads"),
     "07": ("stage07_tensor_parallel", "column/row-parallel layers, a tensor-parallel model"),
 }
 
