@@ -81,12 +81,6 @@ class PagedKVStore:
             self.truncate(seq_id, 0)
             del self.block_tables[seq_id], self.lengths[seq_id]
 
-    def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
-        """Slot indices of positions [start, end) of seq_id: (end - start,) int64."""
-        pos = torch.arange(start, end)
-        table = torch.tensor(self.block_tables[seq_id], dtype=torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
-
 
 @torch.inference_mode()
 def forward(model: Llama, store: PagedKVStore, seq_ids: list[int], chunks: list[list[int]]) -> list[torch.Tensor]:
@@ -111,19 +105,19 @@ def forward(model: Llama, store: PagedKVStore, seq_ids: list[int], chunks: list[
     B, T = len(chunks), max(len(t) for t in chunks)
     starts = torch.tensor([store.length(s) for s in seq_ids], device=dev)  # (B,) cached before this pass
     sizes = torch.tensor([len(t) for t in chunks], device=dev)
-    ends = starts + sizes
-    L = int(ends.max())
-    ids = torch.zeros(B, T, dtype=torch.long, device=dev)
-    for i, chunk in enumerate(chunks):
-        ids[i, : len(chunk)] = torch.tensor(chunk)
+    L = int((starts + sizes).max())
+    ids = torch.tensor([t + [0] * (T - len(t)) for t in chunks], device=dev)  # (B, T), padded with token 0
     positions = starts[:, None] + torch.arange(T, device=dev)  # (B, T)
     real = torch.arange(T, device=dev) < sizes[:, None]  # (B, T): False on padding
-    write_slots = torch.cat([store.slots(s, int(a), int(b)) for s, a, b in zip(seq_ids, starts, ends, strict=True)])
-    # (B, L) slots of every position a sequence holds after this pass; padding reads slot 0 and is masked
-    read_slots = torch.zeros(B, L, dtype=torch.long, device=dev)
-    for i, s in enumerate(seq_ids):
-        read_slots[i, : int(ends[i])] = store.slots(s, 0, int(ends[i]))
+    # (B, max blocks) block tables padded with block 0; a slot is table[p // block_size] * block_size + p % block_size
+    tables = [store.block_tables[s] for s in seq_ids]
+    width = max(len(t) for t in tables)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
+    bs = store.block_size
+    query_pos = positions.clamp(max=width * bs - 1)  # padded queries may point past the table; they are not written
+    write_slots = (tables.gather(1, query_pos // bs) * bs + query_pos % bs)[real]  # (sum T_i,)
     key_pos = torch.arange(L, device=dev)
+    read_slots = tables[:, key_pos // bs] * bs + key_pos % bs  # (B, L): past a sequence's end, masked
     mask = key_pos[None, None, :] <= positions[:, :, None]  # (B, T, L) causal; padded keys lie beyond every real query
     mask[:, :, 0] = True  # a padded query row would see nothing (NaN); it reads key 0 and is dropped
     mask = mask[:, None]  # (B, 1, T, L), broadcast over heads
@@ -147,7 +141,7 @@ def forward(model: Llama, store: PagedKVStore, seq_ids: list[int], chunks: list[
         y = F.scaled_dot_product_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), attn_mask=mask)
         x = x + attn.o_proj(y.transpose(1, 2).reshape(B, T, -1))
         x = x + block.mlp(block.post_attention_layernorm(x))
-    for s, e in zip(seq_ids, ends.tolist(), strict=True):
+    for s, e in zip(seq_ids, (starts + sizes).tolist(), strict=True):
         store.lengths[s] = e
     logits = model.lm_head(model.model.norm(x)).float()
     return [logits[i, : len(chunk)] for i, chunk in enumerate(chunks)]

@@ -43,9 +43,13 @@ class Costs:
         for B in batch_sizes:
             steps = {("draft", 1): _paged_step(draft, B, context, 1)}
             steps |= {("target", T): _paged_step(target, B, context, T) for T in range(1, k_max + 2)}
-            seconds |= {(B, *name): t.median for name, t in bench.interleaved(steps, 5, warmup=2).items()}
+            seconds |= {(B, *name): t.median for name, t in bench.interleaved(steps, 3, warmup=1).items()}
 
         def at(B: int, model: str, T: int) -> float:
+            if T > k_max + 1:
+                raise ValueError(
+                    f"costs were measured for k <= {k_max}; measure with a larger k_max to ask about k = {T - 1}"
+                )
             return seconds[(min((b for b in batch_sizes if b >= B), default=max(batch_sizes)), model, T)]
 
         return cls(draft=lambda B: at(B, "draft", 1), target=lambda B, T: at(B, "target", T))
@@ -67,8 +71,7 @@ def _paged_step(model: Llama, B: int, context: int, T: int):
 
 @dataclass
 class Sequence:
-    """One request in the engine. alpha is its acceptance so far, (accepted + 1) / (accepted + rejected + 2):
-    a uniform prior, so a new sequence starts at 0.5 and one that has only failed does not reach 0."""
+    """One request in the engine, with its own acceptance counts."""
 
     seq_id: int
     prompt: list[int]
@@ -83,10 +86,6 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt) :]
-
-    @property
-    def alpha(self) -> float:
-        return (self.accepted + 1) / (self.accepted + self.rejected + 2)
 
 
 class SpecBatchEngine:
@@ -126,6 +125,7 @@ class SpecBatchEngine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.steps = self.preemptions = 0
+        self.accepted = self.rejected = 0  # over every sequence so far: the prior of a new one's alpha
         self.next_id = 0
 
     def add(self, prompt: list[int], max_new_tokens: int) -> Sequence:
@@ -178,6 +178,7 @@ class SpecBatchEngine:
             seq.proposed += len(drafted)
             seq.accepted += n
             seq.rejected += n < len(drafted)
+            self.accepted, self.rejected = self.accepted + n, self.rejected + (n < len(drafted))
             if self.eos_id is not None and self.eos_id in emitted:
                 emitted = emitted[: emitted.index(self.eos_id) + 1]
             seq.tokens += emitted
@@ -218,7 +219,14 @@ class SpecBatchEngine:
         left = seq.max_new_tokens - len(seq.generated) - 1
         if self.costs is None:
             return min(self.k_max, left)
-        return min(choose_k(seq.alpha, len(self.running), self.costs, self.k_max), left)
+        return min(choose_k(self.alpha(seq), len(self.running), self.costs, self.k_max), left)
+
+    def alpha(self, seq: Sequence) -> float:
+        """seq's acceptance, (accepted + 2 prior) / (accepted + rejected + 2), where the prior is the
+        engine's pooled acceptance, optimistic (0.75) before any measurement: a prior that kept
+        choose_k at 0 would never draft, so never measure, so never start."""
+        prior = (self.accepted + 3) / (self.accepted + self.rejected + 4)
+        return (seq.accepted + 2 * prior) / (seq.accepted + seq.rejected + 2)
 
     def release(self, seq: Sequence) -> None:
         """Free every block of seq; a preempted sequence keeps its tokens and is recomputed from them."""

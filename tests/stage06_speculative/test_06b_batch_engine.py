@@ -92,7 +92,9 @@ def test_engine_adaptive_k_speculates_at_batch_1_and_stops_in_a_large_batch(impl
     eng = impl(ENGINE)
     seed = 6
     target, draft = close_pair("gqa2-tied", seed)
-    costs = eng.Costs(draft=lambda B: 0.1 + 0.01 * B, target=lambda B, T: 1.0 + 0.15 * B * T)
+    # memory-bound up to 5 tokens a forward, compute-bound beyond: at batch 8 a step of k + 1 tokens per
+    # sequence costs k + 1 plain steps, more than the at most k + 1 tokens it can emit
+    costs = eng.Costs(draft=lambda B: 0.02 * max(1.0, 0.2 * B), target=lambda B, T: max(1.0, 0.2 * B * T))
     reqs = [(p, 8) for p, _ in requests(seed, 8, target.config.vocab_size)]
     refs = expected_outputs(target, reqs, None)
     alone = eng.SpecBatchEngine(target, draft, k=6, costs=costs)
