@@ -219,12 +219,15 @@ class SpecBatchEngine:
         left = seq.max_new_tokens - len(seq.generated) - 1
         if self.costs is None:
             return min(self.k_max, left)
-        return min(choose_k(self.alpha(seq), len(self.running), self.costs, self.k_max), left)
+        k = choose_k(self.alpha(seq), len(self.running), self.costs, self.k_max)
+        if self.accepted + self.rejected == 0:  # nothing measured yet: draft one token to find out
+            k = max(k, 1)
+        return min(k, left)
 
     def alpha(self, seq: Sequence) -> float:
         """seq's acceptance, (accepted + 2 prior) / (accepted + rejected + 2), where the prior is the
-        engine's pooled acceptance, optimistic (0.75) before any measurement: a prior that kept
-        choose_k at 0 would never draft, so never measure, so never start."""
+        engine's pooled acceptance (0.75 before any measurement). Until something is measured, k_for
+        drafts at least one token: a choose_k of 0 would never draft, so never measure, so never start."""
         prior = (self.accepted + 3) / (self.accepted + self.rejected + 4)
         return (seq.accepted + 2 * prior) / (seq.accepted + seq.rejected + 2)
 
