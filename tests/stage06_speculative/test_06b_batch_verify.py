@@ -155,6 +155,7 @@ COSTS = {
     "memory-bound": LinearCosts(1.0, 0.002, 0.08, 0.0002),
     "cpu-like": LinearCosts(1.0, 0.15, 0.2, 0.01),
     "dear-draft": LinearCosts(1.0, 0.01, 0.6, 0.005),
+    "free-drafts": LinearCosts(1.0, 0.0, 0.0, 0.0),  # every k costs the same: at alpha 0 all tie, 0 must win
 }
 
 
