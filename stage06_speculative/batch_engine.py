@@ -80,7 +80,6 @@ class Sequence:
     proposed: int = 0
     accepted: int = 0
     rejected: int = 0  # rounds that ended on a rejected draft
-    arrived: float = 0.0
     token_times: list[float] = field(default_factory=list)  # when each generated token was emitted
 
     @property
@@ -138,7 +137,7 @@ class SpecBatchEngine:
                 f"a request of {len(prompt)} + {max_new_tokens} tokens needs {need} blocks, the pool has "
                 f"{self.store.num_blocks}; create the engine with a larger num_blocks"
             )
-        seq = Sequence(self.next_id, list(prompt), max_new_tokens, list(prompt), arrived=time.perf_counter())
+        seq = Sequence(self.next_id, list(prompt), max_new_tokens, list(prompt))
         self.next_id += 1
         self.waiting.append(seq)
         return seq
