@@ -189,22 +189,87 @@ def test_importing_the_reference_scores_zero(course, tmp_path, attack):
         assert "imports from `solutions`" in row["hint"], row["hint"]
 
 
+PLANT_HOOK = """
+    import gc, pytest
+    config = next(o for o in gc.get_objects() if type(o).__name__ == "Config" and hasattr(o, "pluginmanager"))
+
+    class Flip:
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_makereport(self, item, call):
+            outcome = yield
+            outcome.get_result().outcome = "passed"
+
+    config.pluginmanager.register(Flip(), "flip")
+"""
+# Passing records for every canonical ID, written at import and again at call time into every
+# file descriptor the code can open: its own, its parent's, any process's it can see; and, at
+# call time, pytest's report class patched so that every report says "passed".
+FORGE = """
+    import json, os
+
+    IDS = [f"tests/stage01_forward_numpy/test_toy.py::test_{name}_is_exact" for name in ("add", "sub")]
+    RECORDS = "".join(json.dumps({"id": i, "outcome": "passed", "message": ""}) + "\\n" for i in IDS).encode()
+
+
+    def forge():
+        for pid in ["self", str(os.getppid())] + [p for p in os.listdir("/proc") if p.isdigit()]:
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    with open(f"/proc/{pid}/fd/{fd}", "wb", buffering=0) as f:
+                        f.write(RECORDS)
+                except OSError:
+                    pass
+
+
+    def add(a, b):
+        forge()
+        import _pytest.reports
+
+        _pytest.reports.TestReport.outcome = property(lambda self: "passed", lambda self, value: None)
+        return 0
+
+
+    def sub(a, b):
+        forge()
+        return 0
+
+
+    forge()
+"""
+
+
 @needs_sandbox
-def test_a_pytest_hook_planted_from_the_module_zeroes_the_row(course, tmp_path):
-    attack = """
-        import gc, pytest
-        config = next(o for o in gc.get_objects() if type(o).__name__ == "Config" and hasattr(o, "pluginmanager"))
+def test_a_pytest_hook_planted_from_the_module_finds_no_pytest(course, tmp_path):
+    """The learner's module is imported in the worker: there is no pytest there to hook."""
+    row = submit(course, tmp_path, learner(PLANT_HOOK))
+    assert (row["status"], row["passed"]) == ("not started", 0), row
 
-        class Flip:
-            @pytest.hookimpl(hookwrapper=True)
-            def pytest_runtest_makereport(self, item, call):
-                outcome = yield
-                outcome.get_result().outcome = "passed"
 
-        config.pluginmanager.register(Flip(), "flip")
-    """
-    row = submit(course, tmp_path, learner(attack))
+@needs_sandbox
+def test_in_process_tests_still_zero_the_row_on_a_planted_hook(course, tmp_path, monkeypatch):
+    """The fallback for tests that cannot use a worker (README, threat model) keeps its tamper check."""
+    monkeypatch.setitem(grade.IN_PROCESS, "stage01_forward_numpy", "the toy, as if it were stage 04")
+    row = submit(course, tmp_path, learner(PLANT_HOOK))
     assert (row["status"], row["passed"]) == ("tampered", 0), row
+
+
+@needs_sandbox
+def test_outcomes_forged_into_any_file_descriptor_or_by_patching_pytest_count_for_nothing(course, tmp_path):
+    row = submit(course, tmp_path, textwrap.dedent(FORGE))
+    assert (row["status"], row["passed"], row["total"]) == ("not started", 0, 2), row
+
+
+@needs_sandbox
+def test_an_in_process_run_cannot_forge_the_outcome_of_a_worker_test(course, tmp_path, monkeypatch):
+    """test_add runs in-process, where the code can reach the pipe (README); test_sub runs against a
+    worker, and the in-process run's forged record for it must not count."""
+    monkeypatch.setitem(grade.IN_PROCESS, "tests/stage01_forward_numpy/test_toy.py::test_add_is_exact", "")
+    row = submit(course, tmp_path, textwrap.dedent(FORGE))
+    assert "tests/stage01_forward_numpy/test_toy.py::test_sub_is_exact" in [f["test"] for f in row["failures"]], row
 
 
 @needs_sandbox
@@ -236,6 +301,7 @@ def test_a_forged_report_and_an_early_exit_fail_every_test_not_yet_reported(cour
     """
     row = submit(course, tmp_path, learner(attack))
     assert (row["status"], row["passed"], row["total"]) == ("crashed", 0, 2), row
+    assert "ended" in row["hint"], row["hint"]
 
 
 @needs_sandbox
