@@ -1,18 +1,22 @@
 """The grader on a toy course: untouched, finished, stuck, split in two rows, and tampered with.
 
 The tampering routes are those of issue 21: each is a tiny submission whose functions are wrong,
-and each must grade as failing with the instructor's course left as it was.
+and each must grade as failing with the instructor's course left as it was. A submission's code
+runs in a worker process (labkit.worker) unless grade.IN_PROCESS names its test; both routes are
+tried.
 """
 
+import io
 import json
 import os
+import pickle
 import shutil
 import textwrap
 import uuid
 
 import pytest
 
-from labkit import ROOT, grade, sandbox, todo
+from labkit import ROOT, grade, sandbox, todo, worker
 
 SKELETON = """
 def sub(a: int, b: int) -> int:
@@ -242,6 +246,17 @@ FORGE = """
 """
 
 
+def test_the_test_process_reads_no_pickled_code_from_the_worker():
+    """What the worker sends is data: a pickled global (here os.system) or an object to unpickle
+    is refused before anything runs."""
+    trusted = worker.Peer.__new__(worker.Peer)
+    trusted.trusted, trusted.objects = True, {}
+    with pytest.raises(pickle.UnpicklingError):
+        worker._NoGlobals(io.BytesIO(pickle.dumps(("ok", os.system, [])))).load()
+    with pytest.raises(worker.WorkerError):
+        trusted.decode(("pickle", pickle.dumps(os.system)))
+
+
 @needs_sandbox
 def test_a_pytest_hook_planted_from_the_module_finds_no_pytest(course, tmp_path):
     """The learner's module is imported in the worker: there is no pytest there to hook."""
@@ -363,7 +378,10 @@ def test_failure_messages_carry_no_file_contents(course, tmp_path):
 @needs_sandbox
 @pytest.mark.skipif(not (ROOT / "solutions").is_dir(), reason="the learner edition has no solutions to submit")
 def test_the_reference_solution_submitted_as_a_submission_is_complete(tmp_path):
-    """The whole of stage 01, sandboxed, as an instructor grades it."""
-    shutil.copytree(ROOT / "solutions" / "stage01_forward_numpy", tmp_path / "stage01_forward_numpy")
-    (row,) = grade.grade(["01"], tmp_path, timeout=600)
+    """A whole row, sandboxed, as an instructor grades it: 02b has tests of both routes, most
+    against the worker and one in-process (grade.IN_PROCESS)."""
+    shutil.copytree(ROOT / "solutions" / "stage02_kv_cache", tmp_path / "stage02_kv_cache")
+    ids = grade.canonical_ids(ROOT, ["02b"], os.environ | {"PYTHONPATH": str(ROOT)})["02b"]
+    assert {grade.in_process(i, "stage02_kv_cache") for i in ids} == {True, False}, "02b no longer has both routes"
+    (row,) = grade.grade(["02b"], tmp_path, timeout=600)
     assert (row["status"], row["passed"]) == ("complete", row["total"]), row
