@@ -279,6 +279,26 @@ def test_outcomes_forged_into_any_file_descriptor_or_by_patching_pytest_count_fo
 
 
 @needs_sandbox
+def test_a_result_that_claims_to_equal_anything_fails(course, tmp_path):
+    attack = """
+        class Anything:
+            def __eq__(self, other):
+                return True
+
+            __hash__ = object.__hash__
+
+
+        def add(a, b):
+            return Anything()
+
+
+        def sub(a, b):
+            return Anything()
+    """
+    assert submit(course, tmp_path, textwrap.dedent(attack))["passed"] == 0
+
+
+@needs_sandbox
 def test_an_in_process_run_cannot_forge_the_outcome_of_a_worker_test(course, tmp_path, monkeypatch):
     """test_add runs in-process, where the code can reach the pipe (README); test_sub runs against a
     worker, and the in-process run's forged record for it must not count."""
