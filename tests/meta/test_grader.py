@@ -171,7 +171,10 @@ def test_planting_a_conftest_in_the_instructors_course_fails_and_writes_nothing(
     row = submit(course, tmp_path, learner(attack))
     assert row["passed"] == 0, row
     assert snapshot(course) == before, "the submission wrote into the instructor's course"
-    assert submit(course, tmp_path, SKELETON)["status"] == "not started", "a later grading was affected"
+    later = submit(course, tmp_path, SKELETON)
+    assert later["status"] == "not started", "a later grading was affected"
+    # The TODO and the learner's line come back from the worker into the hint.
+    assert "stage01: add — see lab.ipynb §1  [stage01_forward_numpy/toy.py:7]" in later["hint"], later["hint"]
 
 
 @needs_sandbox
