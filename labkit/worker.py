@@ -2,21 +2,23 @@
 
     LABKIT_WORKER=1 pytest -p labkit.outcomes ...      (labkit.grade --submission, most tests)
 
-With LABKIT_WORKER set, the outcomes plugin sets ACTIVE (and takes the variable out of the
-environment: a process a test starts loads stage code itself). Then `labkit.impl.load(name)` imports nothing in the test process. It starts
-one worker (`python -m labkit.worker`), has it import the stage module, and returns a proxy whose
-attribute reads, calls, indexing and iteration run in the worker. pytest, the tests, the
-assertions and the outcome pipe (labkit.outcomes) stay in the trusted test process, which the
-worker cannot reach: the pipe is not inherited, and the test process makes itself non-dumpable,
-so the worker can open neither its /proc/PID/fd nor its memory.
+With LABKIT_WORKER set, the outcomes plugin sets ACTIVE and takes the variable out of the
+environment (a process a test starts loads stage code itself). Then `labkit.impl.load(name)`
+imports nothing in the test process: it starts one worker (`python -m labkit.worker`), has it
+import the stage module, and returns a proxy whose attribute reads, calls, indexing and
+iteration run in the worker. pytest, the tests, the assertions and the outcome pipe stay in the
+test process, which the worker cannot reach: the pipe is not inherited, and the test process is
+non-dumpable, so the worker can open neither its /proc/PID/fd nor its memory.
 
 What crosses, in either direction, is encoded as data: None, bool, int, float, complex, str,
-bytes, lists, tuples, dicts and sets of data, NumPy arrays and scalars, torch tensors, dtypes and
-devices, and paths. Anything else stays where it lives and crosses as a handle (a `Remote`), except that an
-object the tests pass which pickles (a Hugging Face model, a config) is sent by value. A message
-is unpickled with no globals allowed, so the worker can send nothing that runs code when read.
-An array or tensor argument the callee changed in place is copied back into the caller's
-(a Triton kernel writes its output that way). An exception crosses as its type and message; a
+bytes, paths, lists, tuples, dicts and sets of data, NumPy arrays, scalars and random generators,
+torch tensors (strides kept), generators, dtypes and devices. Anything else stays where it lives
+and crosses as a handle (a `Remote`), except that an object the tests pass which pickles (a
+Hugging Face model, a config) is sent by value. The test process unpickles messages with no
+globals allowed, so the worker can send nothing that runs code when read; and it lets the worker
+only call what the tests handed it (TRUSTED_OPS), never read its attributes. An array, tensor or
+generator argument the callee changed in place is copied back into the caller's (a Triton kernel
+writes its output that way). An exception crosses as its type, message and the learner's line; a
 stage's own exception class becomes a local class of the same name and built-in base.
 """
 
@@ -156,9 +158,9 @@ class Peer:
     # --- data and handles ---
     def encode(self, obj, arrays: list | None = None):
         """`obj` as plain data; arrays and tensors are appended to `arrays` (to copy changes back)."""
-        if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        if obj is None or type(obj) in (bool, int, float, str, bytes):  # not a subclass: np.float64 is one
             return obj
-        if isinstance(obj, complex):
+        if type(obj) is complex:
             return ("complex", obj.real, obj.imag)
         if isinstance(obj, (list, tuple, set, frozenset)) and type(obj) in (list, tuple, set, frozenset):
             return (type(obj).__name__, [self.encode(x, arrays) for x in obj])

@@ -14,6 +14,7 @@ import shutil
 import textwrap
 import uuid
 
+import numpy as np
 import pytest
 
 from labkit import ROOT, grade, sandbox, todo, worker
@@ -258,6 +259,26 @@ def test_the_test_process_reads_no_pickled_code_from_the_worker():
         worker._NoGlobals(io.BytesIO(pickle.dumps(("ok", os.system, [])))).load()
     with pytest.raises(worker.WorkerError):
         trusted.decode(("pickle", pickle.dumps(os.system)))
+
+
+def test_results_cross_as_data_with_their_types_and_strides():
+    """NumPy scalars (a float subclass), a transposed tensor (a wrapper that rejects non-contiguous
+    input must see one) and a random generator's state arrive as they left."""
+    import torch
+
+    worker_end, tests_end = worker.Peer.__new__(worker.Peer), worker.Peer.__new__(worker.Peer)
+    worker_end.trusted, tests_end.trusted = False, True
+    rng = np.random.default_rng(3)
+    for value in [np.float64(1.5), np.int8(-3), torch.arange(6.0).reshape(2, 3).t(), rng]:
+        message = worker._NoGlobals(io.BytesIO(pickle.dumps(worker_end.encode(value)))).load()
+        got = tests_end.decode(message)
+        assert type(got) is type(value), (value, got)
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got, value) and got.stride() == value.stride(), got
+        elif isinstance(value, np.random.Generator):
+            assert got.integers(1 << 30) == rng.integers(1 << 30)
+        else:
+            assert got == value
 
 
 @needs_sandbox
