@@ -2,6 +2,8 @@
 
     LABS_IMPL=student   (default) stage modules come from ./stageNN_topic/
     LABS_IMPL=solution  stage modules come from ./solutions/stageNN_topic/
+    LABKIT_WORKER=1     (pytest with labkit.outcomes) ... and run in a worker process; `load`
+                        returns a proxy (labkit.worker)
 
 Tests and notebooks never import a stage module directly; they call `load("stage02_kv_cache.kv_cache")`.
 Modules inside a stage import each other relatively (`from .paged import ...`), so a stage's
@@ -15,7 +17,7 @@ import os
 import re
 from types import ModuleType
 
-from . import ROOT
+from . import ROOT, worker
 
 IMPLS = ("student", "solution")
 _STAGE_RE = re.compile(r"^stage\d\d_[a-z0-9_]+$")
@@ -49,6 +51,8 @@ def load(module: str, impl: str | None = None) -> ModuleType:
             "LABS_IMPL=solution: the reference solutions are not part of this learner edition of the course. "
             "Unset LABS_IMPL (or set it to student) to run your own code."
         )
+    if worker.ACTIVE:
+        return worker.load(module)
     full = module if impl == "student" else f"solutions.{module}"
     try:
         return importlib.import_module(full)

@@ -6,19 +6,25 @@ One JSON line per finished test: {"id": nodeid, "outcome": passed|failed|skipped
 Nothing is written to a file or named on the command line, so a submission has no report to
 rewrite; a test the pipe never hears about counts as failed (labkit.grade).
 
-The learner's code runs in this same process, so it could still reach pytest's machinery. The
-plugin therefore checks, after every test, that what decides an outcome is what it was before
+With LABKIT_WORKER set (labkit.grade --submission, most rows), the learner's code runs in a
+worker process (labkit.worker) and this process is made non-dumpable, so neither the worker nor
+any process a test starts can open this one's /proc/PID/fd or memory. Without it (self-assessment,
+and the rows README's threat model names) the learner's code runs in this same process and could
+still reach pytest's machinery. The plugin therefore checks, after every test, that what decides an outcome is what it was before
 the first test: pytest's hook implementations and the assertion helpers tests call. If anything
 changed, it reports "tampered" and the grader scores the whole row zero. This detects the known
 routes (a hook planted via gc, a patched assert_allclose); it is not isolation (README, threat model).
 """
 
+import ctypes
 import json
 import os
 import re
 import sys
 
 import pytest
+
+from . import worker
 
 _MESSAGE_CHARS = 300  # a failure message is the exception's first line, cut to this length
 # A TODO's message, from either form: NotImplementedError("stage02: f — see lab.ipynb §3") or,
@@ -82,9 +88,13 @@ class Outcomes:
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_makereport(self, item, call):
         if call.excinfo is not None and not call.excinfo.errisinstance(pytest.skip.Exception):
-            self.seen.setdefault(item.nodeid, {"outcome": "passed", "message": ""}).setdefault(
-                "type", call.excinfo.typename
-            )
+            case = self.seen.setdefault(item.nodeid, {"outcome": "passed", "message": ""})
+            case.setdefault("type", call.excinfo.typename)
+            if call.excinfo.type is worker.WorkerError:  # the worker died: a crash, in the course's words
+                case.update(crashed=True, ours=str(call.excinfo.value)[:_MESSAGE_CHARS])
+            where = getattr(call.excinfo.value, "labkit_where", "")  # raised in the worker
+            if isinstance(where, str) and re.fullmatch(r"stage\d\d_\w+/\w+\.py:\d+", where):
+                case.setdefault("where", where[:_MESSAGE_CHARS])
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_logreport(self, report):
@@ -96,12 +106,11 @@ class Outcomes:
             if todo := TODO.search(str(report.longrepr)):
                 case["todo"] = todo.group(0)[:_MESSAGE_CHARS]
             if where := _deepest_learner_frame(report.longrepr):
-                case["where"] = where
+                case.setdefault("where", where)
         elif report.skipped and case["outcome"] == "passed":
             if report.nodeid not in self.may_skip:
-                case.update(
-                    outcome="failed", message="the code under test skipped this test; only the course's markers may"
-                )
+                ours = "the code under test skipped this test; only the course's markers may"
+                case.update(outcome="failed", message=ours, ours=ours)
                 return
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
             case.update(outcome="skipped", message=str(reason)[:_MESSAGE_CHARS])
@@ -120,12 +129,18 @@ def _deepest_learner_frame(longrepr) -> str:
     for tb, _, _ in reversed(chain):
         for entry in reversed(getattr(tb, "reprentries", [])):
             loc = getattr(entry, "reprfileloc", None)
-            if loc and (m := LEARNER_FILE.search(loc.path)) and "solutions/" not in loc.path:
+            if loc and (m := LEARNER_FILE.search(loc.path)) and not ("solutions/" in loc.path or "tests/" in loc.path):
                 return f"{m.group(1)}:{loc.lineno}"
     return ""
 
 
 def pytest_configure(config):
     fd = os.environ.pop("LABKIT_OUTCOMES_FD", None)
+    if os.environ.pop("LABKIT_WORKER", None) and fd is not None:
+        worker.ACTIVE = True
     if fd is not None:
+        os.set_inheritable(int(fd), False)  # no process a test starts gets the pipe
+        # PR_SET_DUMPABLE 0: other processes of this user (the worker, a server a test starts)
+        # cannot open /proc/PID/fd/N, /proc/PID/mem or ptrace this one.
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)
         config.pluginmanager.register(Outcomes(config, int(fd)), "labkit-outcomes")

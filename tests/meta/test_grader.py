@@ -1,18 +1,23 @@
 """The grader on a toy course: untouched, finished, stuck, split in two rows, and tampered with.
 
 The tampering routes are those of issue 21: each is a tiny submission whose functions are wrong,
-and each must grade as failing with the instructor's course left as it was.
+and each must grade as failing with the instructor's course left as it was. A submission's code
+runs in a worker process (labkit.worker) unless grade.IN_PROCESS names its test; both routes are
+tried.
 """
 
+import io
 import json
 import os
+import pickle
 import shutil
 import textwrap
 import uuid
 
+import numpy as np
 import pytest
 
-from labkit import ROOT, grade, sandbox, todo
+from labkit import ROOT, grade, sandbox, todo, worker
 
 SKELETON = """
 def sub(a: int, b: int) -> int:
@@ -167,7 +172,10 @@ def test_planting_a_conftest_in_the_instructors_course_fails_and_writes_nothing(
     row = submit(course, tmp_path, learner(attack))
     assert row["passed"] == 0, row
     assert snapshot(course) == before, "the submission wrote into the instructor's course"
-    assert submit(course, tmp_path, SKELETON)["status"] == "not started", "a later grading was affected"
+    later = submit(course, tmp_path, SKELETON)
+    assert later["status"] == "not started", "a later grading was affected"
+    # The TODO and the learner's line come back from the worker into the hint.
+    assert "stage01: add — see lab.ipynb §1  [stage01_forward_numpy/toy.py:7]" in later["hint"], later["hint"]
 
 
 @needs_sandbox
@@ -189,22 +197,138 @@ def test_importing_the_reference_scores_zero(course, tmp_path, attack):
         assert "imports from `solutions`" in row["hint"], row["hint"]
 
 
+PLANT_HOOK = """
+    import gc, pytest
+    config = next(o for o in gc.get_objects() if type(o).__name__ == "Config" and hasattr(o, "pluginmanager"))
+
+    class Flip:
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_makereport(self, item, call):
+            outcome = yield
+            outcome.get_result().outcome = "passed"
+
+    config.pluginmanager.register(Flip(), "flip")
+"""
+# Passing records for every canonical ID, written at import and again at call time into every
+# file descriptor the code can open: its own, its parent's, any process's it can see; and, at
+# call time, pytest's report class patched so that every report says "passed".
+FORGE = """
+    import json, os
+
+    IDS = [f"tests/stage01_forward_numpy/test_toy.py::test_{name}_is_exact" for name in ("add", "sub")]
+    RECORDS = "".join(json.dumps({"id": i, "outcome": "passed", "message": ""}) + "\\n" for i in IDS).encode()
+
+
+    def forge():
+        for pid in ["self", str(os.getppid())] + [p for p in os.listdir("/proc") if p.isdigit()]:
+            try:
+                fds = os.listdir(f"/proc/{pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    with open(f"/proc/{pid}/fd/{fd}", "wb", buffering=0) as f:
+                        f.write(RECORDS)
+                except OSError:
+                    pass
+
+
+    def add(a, b):
+        forge()
+        import _pytest.reports
+
+        _pytest.reports.TestReport.outcome = property(lambda self: "passed", lambda self, value: None)
+        return 0
+
+
+    def sub(a, b):
+        forge()
+        return 0
+
+
+    forge()
+"""
+
+
+def test_the_test_process_reads_no_pickled_code_from_the_worker():
+    """What the worker sends is data: a pickled global (here os.system) or an object to unpickle
+    is refused before anything runs."""
+    trusted = worker.Peer.__new__(worker.Peer)
+    trusted.trusted, trusted.objects = True, {}
+    with pytest.raises(pickle.UnpicklingError):
+        worker._NoGlobals(io.BytesIO(pickle.dumps(("ok", os.system, [])))).load()
+    with pytest.raises(worker.WorkerError):
+        trusted.decode(("pickle", pickle.dumps(os.system)))
+
+
+def test_results_cross_as_data_with_their_types_and_strides():
+    """NumPy scalars (a float subclass), a transposed tensor (a wrapper that rejects non-contiguous
+    input must see one) and a random generator's state arrive as they left."""
+    import torch
+
+    worker_end, tests_end = worker.Peer.__new__(worker.Peer), worker.Peer.__new__(worker.Peer)
+    worker_end.trusted, tests_end.trusted = False, True
+    rng = np.random.default_rng(3)
+    for value in [np.float64(1.5), np.int8(-3), torch.arange(6.0).reshape(2, 3).t(), rng]:
+        message = worker._NoGlobals(io.BytesIO(pickle.dumps(worker_end.encode(value)))).load()
+        got = tests_end.decode(message)
+        assert type(got) is type(value), (value, got)
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got, value) and got.stride() == value.stride(), got
+        elif isinstance(value, np.random.Generator):
+            assert got.integers(1 << 30) == rng.integers(1 << 30)
+        else:
+            assert got == value
+
+
 @needs_sandbox
-def test_a_pytest_hook_planted_from_the_module_zeroes_the_row(course, tmp_path):
-    attack = """
-        import gc, pytest
-        config = next(o for o in gc.get_objects() if type(o).__name__ == "Config" and hasattr(o, "pluginmanager"))
+def test_a_pytest_hook_planted_from_the_module_finds_no_pytest(course, tmp_path):
+    """The learner's module is imported in the worker: there is no pytest there to hook."""
+    row = submit(course, tmp_path, learner(PLANT_HOOK))
+    assert (row["status"], row["passed"]) == ("not started", 0), row
 
-        class Flip:
-            @pytest.hookimpl(hookwrapper=True)
-            def pytest_runtest_makereport(self, item, call):
-                outcome = yield
-                outcome.get_result().outcome = "passed"
 
-        config.pluginmanager.register(Flip(), "flip")
-    """
-    row = submit(course, tmp_path, learner(attack))
+@needs_sandbox
+def test_in_process_tests_still_zero_the_row_on_a_planted_hook(course, tmp_path, monkeypatch):
+    """The fallback for tests that cannot use a worker (README, threat model) keeps its tamper check."""
+    monkeypatch.setitem(grade.IN_PROCESS, "stage01_forward_numpy", "the toy, as if it were stage 04")
+    row = submit(course, tmp_path, learner(PLANT_HOOK))
     assert (row["status"], row["passed"]) == ("tampered", 0), row
+
+
+@needs_sandbox
+def test_outcomes_forged_into_any_file_descriptor_or_by_patching_pytest_count_for_nothing(course, tmp_path):
+    row = submit(course, tmp_path, textwrap.dedent(FORGE))
+    assert (row["status"], row["passed"], row["total"]) == ("not started", 0, 2), row
+
+
+@needs_sandbox
+def test_a_result_that_claims_to_equal_anything_fails(course, tmp_path):
+    attack = """
+        class Anything:
+            def __eq__(self, other):
+                return True
+
+            __hash__ = object.__hash__
+
+
+        def add(a, b):
+            return Anything()
+
+
+        def sub(a, b):
+            return Anything()
+    """
+    assert submit(course, tmp_path, textwrap.dedent(attack))["passed"] == 0
+
+
+@needs_sandbox
+def test_an_in_process_run_cannot_forge_the_outcome_of_a_worker_test(course, tmp_path, monkeypatch):
+    """test_add runs in-process, where the code can reach the pipe (README); test_sub runs against a
+    worker, and the in-process run's forged record for it must not count."""
+    monkeypatch.setitem(grade.IN_PROCESS, "tests/stage01_forward_numpy/test_toy.py::test_add_is_exact", "")
+    row = submit(course, tmp_path, textwrap.dedent(FORGE))
+    assert "tests/stage01_forward_numpy/test_toy.py::test_sub_is_exact" in [f["test"] for f in row["failures"]], row
 
 
 @needs_sandbox
@@ -236,6 +360,7 @@ def test_a_forged_report_and_an_early_exit_fail_every_test_not_yet_reported(cour
     """
     row = submit(course, tmp_path, learner(attack))
     assert (row["status"], row["passed"], row["total"]) == ("crashed", 0, 2), row
+    assert "ended" in row["hint"], row["hint"]
 
 
 @needs_sandbox
@@ -297,7 +422,10 @@ def test_failure_messages_carry_no_file_contents(course, tmp_path):
 @needs_sandbox
 @pytest.mark.skipif(not (ROOT / "solutions").is_dir(), reason="the learner edition has no solutions to submit")
 def test_the_reference_solution_submitted_as_a_submission_is_complete(tmp_path):
-    """The whole of stage 01, sandboxed, as an instructor grades it."""
-    shutil.copytree(ROOT / "solutions" / "stage01_forward_numpy", tmp_path / "stage01_forward_numpy")
-    (row,) = grade.grade(["01"], tmp_path, timeout=600)
+    """A whole row, sandboxed, as an instructor grades it: 02b has tests of both routes, most
+    against the worker and one in-process (grade.IN_PROCESS)."""
+    shutil.copytree(ROOT / "solutions" / "stage02_kv_cache", tmp_path / "stage02_kv_cache")
+    ids = grade.canonical_ids(ROOT, ["02b"], os.environ | {"PYTHONPATH": str(ROOT)})["02b"]
+    assert {grade.in_process(i, "stage02_kv_cache") for i in ids} == {True, False}, "02b no longer has both routes"
+    (row,) = grade.grade(["02b"], tmp_path, timeout=600)
     assert (row["status"], row["passed"]) == ("complete", row["total"]), row

@@ -1,0 +1,537 @@
+"""The learner's code in a process of its own: the tests call it, and see only data and handles.
+
+    LABKIT_WORKER=1 pytest -p labkit.outcomes ...      (labkit.grade --submission, most tests)
+
+With LABKIT_WORKER set, the outcomes plugin sets ACTIVE and takes the variable out of the
+environment (a process a test starts loads stage code itself). Then `labkit.impl.load(name)`
+imports nothing in the test process: it starts one worker (`python -m labkit.worker`), has it
+import the stage module, and returns a proxy whose attribute reads, calls, indexing and
+iteration run in the worker. pytest, the tests, the assertions and the outcome pipe stay in the
+test process, which the worker cannot reach: the pipe is not inherited, and the test process is
+non-dumpable, so the worker can open neither its /proc/PID/fd nor its memory.
+
+What crosses, in either direction, is encoded as data: None, bool, int, float, complex, str,
+bytes, paths, lists, tuples, dicts and sets of data, NumPy arrays, scalars and random generators,
+torch tensors (strides kept), generators, dtypes and devices. Anything else stays where it lives
+and crosses as a handle (a `Remote`), except that an object the tests pass which pickles (a
+Hugging Face model, a config) is sent by value. The test process unpickles messages with no
+globals allowed, so the worker can send nothing that runs code when read; and it lets the worker
+only call what the tests handed it (TRUSTED_OPS), never read its attributes. An array, tensor or
+generator argument the callee changed in place is copied back into the caller's (a Triton kernel
+writes its output that way). An exception crosses as its type, message and the learner's line; a
+stage's own exception class becomes a local class of the same name and built-in base.
+"""
+
+import builtins
+import io
+import operator
+import os
+import pickle
+import socket
+import struct
+import subprocess
+import sys
+import traceback
+import types
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from . import ROOT
+
+ACTIVE = False  # in the test process of a graded run: stage modules load in the worker
+OPS = {
+    "getattr": getattr,
+    "setattr": setattr,
+    "call": lambda obj, *args, **kwargs: obj(*args, **kwargs),
+    "getitem": operator.getitem,
+    "setitem": operator.setitem,
+    "delitem": operator.delitem,
+    "len": len,
+    "iter": iter,
+    "next": next,
+    "contains": operator.contains,
+    "bool": bool,
+    "eq": operator.eq,
+    "lt": operator.lt,
+    "le": operator.le,
+    "hash": hash,
+    "repr": repr,
+    "str": str,
+    "int": int,
+    "float": float,
+    "index": operator.index,
+    "enter": lambda obj: obj.__enter__(),
+    "exit": lambda obj, *exc: obj.__exit__(*exc),
+}
+WRITABLE = ("ndarray", "tensor", "rng", "generator")  # what a callee may change in place, copied back
+TRUSTED_OPS = {"call", "iter", "next", "len", "bool", "contains", "eq", "hash", "repr", "str"}
+
+
+class WorkerError(Exception):
+    """The worker could not run a call: it died, or it sent something that is not a message.
+    Its text is the course's own (labkit.outcomes reports it as a crash, unredacted)."""
+
+
+class _NoGlobals(pickle.Unpickler):
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"a message may hold only plain data, not {module}.{name}")
+
+
+class Peer:
+    """One end of the connection: sends requests, serves the other end's requests while it waits."""
+
+    def __init__(self, sock: socket.socket, trusted: bool):
+        self.file = sock.makefile("rwb")
+        self.trusted = trusted  # the test process: it never unpickles anything but plain data
+        self.objects: dict[int, list] = {}  # handles this end gave out: id -> [object, times given]
+        self.released: list[int] = []  # handles the other end dropped, told with the next message
+        self.alive = True
+
+    # --- framing: an 8-byte length, then a pickle of plain data ---
+    def send(self, message) -> None:
+        blob = pickle.dumps(message, protocol=5)
+        self.file.write(struct.pack("<Q", len(blob)) + blob)
+        self.file.flush()
+
+    def receive(self):
+        head = self.file.read(8)
+        if len(head) < 8:
+            self.alive = False
+            raise WorkerError("the process running the code under test ended (it exited or was killed)")
+        blob = self.file.read(struct.unpack("<Q", head)[0])
+        return _NoGlobals(io.BytesIO(blob)).load()
+
+    # --- requests ---
+    def request(self, handle: int, op: str, args=(), kwargs=None):
+        if not self.alive:
+            raise WorkerError("the process running the code under test ended earlier in this test run")
+        sent: list = []
+        message = ("req", handle, op, self.encode(list(args), sent), self.encode(kwargs or {}, sent))
+        self.send(message + (self.released[:],))
+        self.released.clear()
+        while True:
+            reply = self.receive()
+            if reply[0] == "req":
+                self.serve(reply)
+                continue
+            kind, value, changed = reply
+            for index, new in changed:  # arguments the callee wrote into
+                _copy_into(sent[index], self.decode(new))
+            if kind == "ok":
+                return self.decode(value)
+            raise _exception(value)
+
+    def serve(self, message) -> None:
+        _, handle, op, args, kwargs, released = message
+        for h in released:
+            if h in self.objects and (entry := self.objects[h])[1] <= 1:
+                del self.objects[h]
+            elif h in self.objects:
+                entry[1] -= 1
+        received: list = []
+        try:
+            if self.trusted and (handle == 0 or op not in TRUSTED_OPS):
+                # The worker may call back what the tests handed it, nothing more: no attribute of
+                # a test's object (a function's __globals__ would lead to everything here).
+                raise PermissionError(f"the code under test may not {op} an object of the tests")
+            args, kwargs = self.decode(args, received), self.decode(kwargs, received)
+            before = [_snapshot(x) for x in received]
+            obj = _import if handle == 0 else self.objects[handle][0]
+            value = OPS[op](obj, *args, **kwargs)
+            changed = [
+                (i, self.encode(x)) for i, (x, b) in enumerate(zip(received, before, strict=True)) if _snapshot(x) != b
+            ]
+            reply = ("ok", self.encode(value), changed)
+        except BaseException as e:  # noqa: BLE001 - every failure of the callee goes back as data
+            reply = ("err", _describe(e), [])
+        self.send(reply)
+
+    def serve_forever(self) -> None:
+        while True:
+            message = self.receive()
+            if message[0] != "req":
+                raise WorkerError(f"expected a request, got {message[0]!r}")
+            self.serve(message)
+
+    # --- data and handles ---
+    def encode(self, obj, arrays: list | None = None):
+        """`obj` as plain data; arrays and tensors are appended to `arrays` (to copy changes back)."""
+        if obj is None or type(obj) in (bool, int, float, str, bytes):  # not a subclass: np.float64 is one
+            return obj
+        if type(obj) is complex:
+            return ("complex", obj.real, obj.imag)
+        if isinstance(obj, (list, tuple, set, frozenset)) and type(obj) in (list, tuple, set, frozenset):
+            return (type(obj).__name__, [self.encode(x, arrays) for x in obj])
+        if type(obj) is dict:
+            return ("dict", [(self.encode(k, arrays), self.encode(v, arrays)) for k, v in obj.items()])
+        if isinstance(obj, Remote) and obj._peer is self:
+            return ("yours", obj._handle)
+        data = _array(obj)
+        if data is not None:
+            if arrays is not None and data[0] in WRITABLE:
+                arrays.append(obj)
+            return data
+        if isinstance(obj, type) and issubclass(obj, BaseException):
+            return ("exception", _describe_class(obj))
+        if self.trusted and not isinstance(obj, Remote):  # what the tests pass goes by value if it can
+            try:
+                return ("pickle", pickle.dumps(obj, protocol=5))
+            except Exception:  # noqa: BLE001 - a lambda, a generator: it stays here as a handle
+                pass
+        self.objects.setdefault(id(obj), [obj, 0])[1] += 1
+        return ("mine", id(obj))
+
+    def decode(self, data, arrays: list | None = None):
+        if data is None or isinstance(data, (bool, int, float, str, bytes)):
+            return data
+        tag, *rest = data
+        if tag in ("list", "tuple", "set", "frozenset"):
+            return getattr(builtins, tag)(self.decode(x, arrays) for x in rest[0])
+        if tag == "dict":
+            return {self.decode(k, arrays): self.decode(v, arrays) for k, v in rest[0]}
+        if tag == "complex":
+            return complex(*rest)
+        if tag == "mine":  # the other end's object
+            return Remote(self, rest[0])
+        if tag == "yours":
+            return self.objects[rest[0]][0]
+        if tag == "exception":
+            return _exception_class(*rest[0])
+        if tag == "pickle" and not self.trusted:
+            return pickle.loads(rest[0])
+        value = _from_array(tag, rest)
+        if arrays is not None and tag in WRITABLE:
+            arrays.append(value)
+        return value
+
+
+class Remote:
+    """An object that lives in the other process; every use of it is a request there."""
+
+    __slots__ = ("_peer", "_handle", "__weakref__")
+
+    def __init__(self, peer: Peer, handle: int):
+        object.__setattr__(self, "_peer", peer)
+        object.__setattr__(self, "_handle", handle)
+        weakref.finalize(self, peer.released.append, handle)
+
+    def _ask(self, op, *args, **kwargs):
+        return self._peer.request(self._handle, op, args, kwargs)
+
+    def __getattr__(self, name):
+        return self._ask("getattr", name)
+
+    def __setattr__(self, name, value):
+        self._ask("setattr", name, value)
+
+    def __call__(self, *args, **kwargs):
+        return self._ask("call", *args, **kwargs)
+
+    def __getitem__(self, key):
+        return self._ask("getitem", key)
+
+    def __setitem__(self, key, value):
+        self._ask("setitem", key, value)
+
+    def __delitem__(self, key):
+        self._ask("delitem", key)
+
+    def __len__(self):
+        return self._ask("len")
+
+    def __iter__(self):
+        return self._ask("iter")
+
+    def __next__(self):
+        return self._ask("next")
+
+    def __contains__(self, item):
+        return self._ask("contains", item)
+
+    def __bool__(self):
+        return self._ask("bool")
+
+    def __eq__(self, other):
+        # Only between two of the worker's objects (an enum's members): an object that says it
+        # equals any data the test compares it with would pass `assert f(x) == expected`.
+        return self._ask("eq", other) if isinstance(other, Remote) else NotImplemented
+
+    def __ne__(self, other):
+        return not self._ask("eq", other) if isinstance(other, Remote) else NotImplemented
+
+    def __lt__(self, other):
+        return self._ask("lt", other)
+
+    def __le__(self, other):
+        return self._ask("le", other)
+
+    def __hash__(self):
+        return self._ask("hash")
+
+    def __repr__(self):
+        return self._ask("repr")
+
+    def __str__(self):
+        return self._ask("str")
+
+    def __int__(self):
+        return self._ask("int")
+
+    def __float__(self):
+        return self._ask("float")
+
+    def __index__(self):
+        return self._ask("index")
+
+    def __enter__(self):
+        return self._ask("enter")
+
+    def __exit__(self, *exc):
+        return self._ask("exit", *[None] * 3)
+
+    def __reduce__(self):
+        raise TypeError("a handle to the other process does not pickle")
+
+
+# --- arrays and tensors as bytes ---
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _array(obj):
+    """(tag, ...) for an array, tensor, scalar or dtype; None for anything else."""
+    if isinstance(obj, Path):
+        return ("path", str(obj))
+    if isinstance(obj, np.ndarray) and obj.dtype.kind not in "OV":
+        return ("ndarray", obj.dtype.str, obj.shape, np.ascontiguousarray(obj).tobytes())
+    if isinstance(obj, np.generic) and obj.dtype.kind not in "OV":
+        return ("npscalar", obj.dtype.str, obj.tobytes())
+    if isinstance(obj, np.dtype) and obj.kind not in "OV":
+        return ("npdtype", obj.str)
+    if isinstance(obj, np.random.Generator) and type(obj.bit_generator) is np.random.PCG64:
+        state = obj.bit_generator.state  # a random generator's state is data: a test's draws continue
+        return ("rng", state["state"]["state"], state["state"]["inc"], state["has_uint32"], state["uinteger"])
+    if "torch" not in sys.modules:
+        return None
+    torch = sys.modules["torch"]
+    if (
+        isinstance(obj, torch.Tensor)
+        and type(obj) in (torch.Tensor, torch.nn.Parameter)
+        and obj.layout == torch.strided
+    ):
+        # The storage span the tensor covers, and its strides: a transposed or expanded tensor
+        # arrives as one (a kernel's wrapper must see the non-contiguous input it rejects).
+        span = 1 + sum((n - 1) * st for n, st in zip(obj.shape, obj.stride(), strict=True)) if obj.numel() else 0
+        flat = obj.detach().cpu().as_strided((span,), (1,)).contiguous().view(torch.uint8)
+        dtype = str(obj.dtype).removeprefix("torch.")
+        layout = (tuple(obj.shape), obj.stride())
+        return ("tensor", dtype, layout, flat.numpy().tobytes(), obj.requires_grad, str(obj.device))
+    if isinstance(obj, torch.Generator):
+        return ("generator", str(obj.device), obj.get_state().numpy().tobytes())
+    if isinstance(obj, torch.dtype):
+        return ("dtype", str(obj).removeprefix("torch."))
+    if isinstance(obj, torch.device):
+        return ("device", str(obj))
+    if isinstance(obj, torch.Size):
+        return ("size", tuple(obj))
+    return None
+
+
+def _from_array(tag: str, rest: list):
+    if tag == "path":
+        return Path(rest[0])
+    if tag == "ndarray":
+        dtype, shape, blob = rest
+        return np.frombuffer(bytearray(blob), dtype=np.dtype(dtype)).reshape(shape)
+    if tag == "npscalar":
+        return np.frombuffer(rest[1], dtype=np.dtype(rest[0]))[0]
+    if tag == "npdtype":
+        return np.dtype(rest[0])
+    if tag == "rng":
+        bits = np.random.PCG64()
+        state, inc, has_uint32, uinteger = rest
+        bits.state = {
+            "bit_generator": "PCG64",
+            "state": {"state": state, "inc": inc},
+            "has_uint32": has_uint32,
+            "uinteger": uinteger,
+        }
+        return np.random.Generator(bits)
+    torch = _torch()
+    if tag == "tensor":
+        dtype, (shape, stride), blob, requires_grad, device = rest
+        kind = getattr(torch, dtype)
+        if not isinstance(kind, torch.dtype):
+            raise WorkerError("the worker sent a tensor of no torch dtype")
+        raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+        tensor = raw.view(kind).as_strided(shape, stride)
+        if device != "cpu" and torch.cuda.is_available():
+            tensor = tensor.to(device)
+        return tensor.requires_grad_(requires_grad) if kind.is_floating_point else tensor
+    if tag == "generator":
+        generator = torch.Generator(rest[0] if torch.cuda.is_available() else "cpu")
+        generator.set_state(torch.frombuffer(bytearray(rest[1]), dtype=torch.uint8))
+        return generator
+    if tag == "dtype":
+        kind = getattr(torch, rest[0])
+        if not isinstance(kind, torch.dtype):
+            raise WorkerError("the worker sent no torch dtype")
+        return kind
+    if tag == "device":
+        return torch.device(rest[0])
+    if tag == "size":
+        return torch.Size(rest[0])
+    raise WorkerError("the worker sent something that is not a message")
+
+
+def _snapshot(x):
+    return _array(x)[1:]
+
+
+def _copy_into(original, new) -> None:
+    if isinstance(original, np.random.Generator):
+        original.bit_generator.state = new.bit_generator.state
+        return
+    if isinstance(original, np.ndarray):
+        if original.flags.writeable and original.shape == new.shape:
+            np.copyto(original, new)
+        return
+    torch = _torch()
+    if isinstance(original, torch.Generator):
+        original.set_state(new.get_state())
+    elif original.shape == new.shape:
+        with torch.no_grad():
+            original.copy_(new)
+
+
+# --- exceptions ---
+
+_CLASSES: dict[tuple, type] = {}
+
+
+def _describe_class(cls: type) -> tuple:
+    """(module, name, built-in base) of an exception class."""
+    base = next(c for c in cls.__mro__ if getattr(builtins, c.__name__, None) is c)
+    return cls.__module__, cls.__qualname__, base.__name__
+
+
+def _exception_class(module: str, name: str, base: str) -> type:
+    """The local class for a stage's exception class: built-ins are themselves, others made once."""
+    builtin = getattr(builtins, name, None)
+    if module == "builtins" and isinstance(builtin, type) and issubclass(builtin, Exception):
+        return builtin
+    parent = getattr(builtins, base, None)
+    parent = parent if isinstance(parent, type) and issubclass(parent, Exception) else Exception
+    key = (module, name, parent.__name__)
+    if key not in _CLASSES:
+        _CLASSES[key] = type(name.rsplit(".", 1)[-1], (parent,), {"__module__": module})
+    return _CLASSES[key]
+
+
+def _describe(e: BaseException) -> tuple:
+    """An exception as data: its class, its first 2000 characters, the learner's line it came from."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "/stage" in f.filename]
+    where = ""
+    for frame in reversed(frames):
+        parts = frame.filename.rsplit("/", 2)
+        if parts[-2].startswith("stage") and "/solutions/" not in frame.filename:
+            where = f"{parts[-2]}/{parts[-1]}:{frame.lineno}"
+            break
+    try:
+        text = str(e)[:2000]
+    except BaseException:  # noqa: BLE001 - a learner's __str__ that raises
+        text = ""
+    return _describe_class(type(e)), text, where
+
+
+def _exception(info: tuple) -> Exception:
+    cls, text, where = info
+    cls = _exception_class(*cls) if isinstance(cls, tuple) and len(cls) == 3 else RuntimeError
+    try:
+        e = cls(text)
+    except Exception:  # noqa: BLE001 - a built-in whose constructor wants more (UnicodeDecodeError)
+        e = RuntimeError(text)
+    e.labkit_where = where  # labkit.outcomes reports it as the learner's file and line
+    return e
+
+
+# --- the two ends ---
+
+
+def _import(name: str):
+    from .impl import load
+
+    return load(name)
+
+
+class RemoteModule(types.ModuleType):
+    """A stage module in the worker, as a module object here: inspect.getsource reads its file (in
+    the course, never a path the worker names); its attributes are the worker's."""
+
+    def __init__(self, name: str, remote: Remote):
+        super().__init__(name)
+        self.__dict__["_remote"] = remote
+        self.__dict__["_patched"] = {}
+        path = Path(remote.__file__ or "").resolve()
+        if path.suffix == ".py" and path.is_relative_to(ROOT):
+            self.__dict__["__file__"] = str(path)
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_remote"], name)
+
+    def __setattr__(self, name, value):  # monkeypatch.setattr(module, ...) patches the worker's
+        self.__dict__["_patched"].setdefault(name, getattr(self.__dict__["_remote"], name, None))
+        setattr(self.__dict__["_remote"], name, value)
+
+    def __delattr__(self, name):  # monkeypatch's undo: the worker's attribute as it was before
+        setattr(self.__dict__["_remote"], name, self.__dict__["_patched"].pop(name))
+
+    def __dir__(self):
+        return self.__dict__["_remote"].__dir__()
+
+
+_worker: dict = {}
+
+
+def load(name: str) -> RemoteModule:
+    """In the test process: the stage module `name`, imported in the worker (started if need be)."""
+    peer = _worker.get("peer")
+    if peer is None or not peer.alive or _worker["proc"].poll() is not None:
+        peer = _start()
+    return RemoteModule(name, peer.request(0, "call", (name,)))
+
+
+def _start() -> Peer:
+    ours, theirs = socket.socketpair()
+    # The worker sees the test process's import path, so an object of a test module unpickles there.
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "labkit.worker", str(theirs.fileno())],
+        env=env,
+        pass_fds=[theirs.fileno()],  # and nothing else: the outcome pipe stays here
+        stdin=subprocess.DEVNULL,
+    )
+    theirs.close()
+    if "proc" in _worker and _worker["proc"].poll() is None:
+        _worker["proc"].kill()
+    _worker.update(peer=Peer(ours, trusted=True), proc=proc)
+    return _worker["peer"]
+
+
+def main() -> int:
+    peer = Peer(socket.socket(fileno=int(sys.argv[1])), trusted=False)
+    try:
+        peer.serve_forever()
+    except WorkerError:
+        return 0  # the test process went away
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
