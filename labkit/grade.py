@@ -52,24 +52,24 @@ IN_PROCESS = {
     "schedulers, fault injection and threads: it stays in the test process",
     "stage07_tensor_parallel": "torch.distributed runs the learner's code in processes of its own",
     # Whether append writes into the cache's own buffers: their data_ptr, which a copy cannot keep.
-    "tests/stage02_kv_cache/test_kv_cache.py::test_append_writes_into_the_preallocated_buffers": "data_ptr",
+    "tests/stage02_kv_cache/test_02_kv_cache.py::test_append_writes_into_the_preallocated_buffers": "data_ptr",
     "tests/stage02_kv_cache/test_02b_sinks.py::test_02b_memory_stays_bounded_past_the_model_context": "data_ptr",
     # The test counts the tokens each layer sees with hooks on the model it passes.
-    "tests/stage02_kv_cache/test_generate.py::test_cached_generation_never_reruns_the_prefix": "hooks",
-    "tests/stage02_kv_cache/test_generate.py::test_no_cache_baseline_recomputes_the_whole_sequence": "hooks",
+    "tests/stage02_kv_cache/test_02_generate.py::test_cached_generation_never_reruns_the_prefix": "hooks",
+    "tests/stage02_kv_cache/test_02_generate.py::test_no_cache_baseline_recomputes_the_whole_sequence": "hooks",
     # The learner's code changes the test's model in place (swaps its linears, folds scales into
     # its weights), and the test then runs that model.
-    "tests/stage03_quantization/test_awq.py": "changes the model in place",
-    "tests/stage03_quantization/test_smoothquant.py": "changes the model in place",
-    "tests/stage03_quantization/test_quant_linear.py": "changes the model in place",
-    "tests/stage03_quantization/test_gptq.py::test_gptq_on_a_model_is_gptq_layer_by_layer_on_propagated_inputs": "",
-    "tests/stage03_quantization/test_evaluate.py::test_weight_bytes_after_int8_counts_codes_scales_and_float_rest": "",
+    "tests/stage03_quantization/test_03_awq.py": "changes the model in place",
+    "tests/stage03_quantization/test_03_smoothquant.py": "changes the model in place",
+    "tests/stage03_quantization/test_03_quant_linear.py": "changes the model in place",
+    "tests/stage03_quantization/test_03_gptq.py::test_gptq_on_a_model_is_gptq_layer_by_layer_on_propagated_inputs": "",
+    "tests/stage03_quantization/test_03_evaluate.py::test_weight_bytes_after_int8_counts_codes_scales_and_float_rest": "",
     # The tests' forward counters and caches, changed by the learner's decoding loop, then read.
-    "tests/stage06_speculative/test_greedy.py::test_cache_rollback_after_rejection": "",
-    "tests/stage06_speculative/test_greedy.py::test_target_forwards_at_most_generated_and_stats_add_up": "",
-    "tests/stage06_speculative/test_greedy.py::test_target_forwards_strictly_fewer_when_draft_agrees": "",
-    "tests/stage06_speculative/test_prompt_lookup.py::test_lookup_decode_equals_target_greedy_with_fewer_forwards": "",
-    "tests/stage06_speculative/test_sampling.py::test_propose_sampled_returns_the_warped_draft_distributions": "",
+    "tests/stage06_speculative/test_06_greedy.py::test_cache_rollback_after_rejection": "",
+    "tests/stage06_speculative/test_06_greedy.py::test_target_forwards_at_most_generated_and_stats_add_up": "",
+    "tests/stage06_speculative/test_06_greedy.py::test_target_forwards_strictly_fewer_when_draft_agrees": "",
+    "tests/stage06_speculative/test_06_prompt_lookup.py::test_lookup_decode_equals_target_greedy_with_fewer_forwards": "",
+    "tests/stage06_speculative/test_06_sampling.py::test_propose_sampled_returns_the_warped_draft_distributions": "",
 }
 SOLUTIONS_STUB = f'''"""Not part of a graded copy."""
 
