@@ -1,1 +1,2 @@
-"""Stage 04: paged KV cache, prefix caching, a continuous-batching engine and a streaming server."""
+"""Stage 04: paged KV cache, prefix caching, a continuous-batching engine and a streaming server;
+part 2: structured output (lab2.ipynb) and multi-LoRA serving (lab3.ipynb)."""

@@ -1,4 +1,5 @@
-"""Stage 06: speculative decoding — draft and verify, exact rejection sampling, prompt lookup, the speedup math."""
+"""Stage 06: speculative decoding — draft and verify, exact rejection sampling, prompt lookup, the speedup math;
+part 2: speculation inside a batching engine (lab2.ipynb) and Medusa heads with tree verification (lab3.ipynb)."""
 
 from labkit.impl import share_given_modules  # given modules live only in the stage folder
 
