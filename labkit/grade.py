@@ -70,6 +70,11 @@ IN_PROCESS = {
     "tests/stage06_speculative/test_06_greedy.py::test_target_forwards_strictly_fewer_when_draft_agrees": "",
     "tests/stage06_speculative/test_06_prompt_lookup.py::test_lookup_decode_equals_target_greedy_with_fewer_forwards": "",
     "tests/stage06_speculative/test_06_sampling.py::test_propose_sampled_returns_the_warped_draft_distributions": "",
+    # Part 2 writes into the test's paged store and KV cache (rollback, commit_path), then the test reads them.
+    "tests/stage06_speculative/test_06b_batch_verify.py": "changes the test's paged store in place",
+    "tests/stage06_speculative/test_06b_batch_engine.py": "the engine holds the test's models and stores",
+    "tests/stage06_speculative/test_06b_medusa_tree.py": "changes the test's KV cache in place",
+    "tests/stage06_speculative/test_06b_medusa_generate.py": "changes the test's KV cache in place",
 }
 SOLUTIONS_STUB = f'''"""Not part of a graded copy."""
 
