@@ -30,8 +30,9 @@ class Verdict:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer, a tied embedding/lm_head counted once."""
-    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    """Bytes of the state dict (parameters and persistent buffers such as quantized codes and scales),
+    a tied embedding/lm_head counted once. Caches such as the RoPE tables are not weights."""
+    tensors = {t.data_ptr(): t for t in model.state_dict().values()}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
