@@ -19,6 +19,7 @@ import contextlib
 import gc
 import importlib
 import json
+import os
 import platform
 import re
 import statistics
@@ -136,12 +137,13 @@ class Result:
     plot: object = None  # a matplotlib Figure (labkit.plot.setup() style)
 
 
-def save(result: Result, name: str) -> list[Path]:
-    """Write bench_results/<name>.json (and .png); quick runs pass name + '_quick'."""
+def save(result: Result, name: str, run: dict | None = None) -> list[Path]:
+    """Write bench_results/<name>.json (and .png); quick runs pass name + '_quick'. `run`: how the
+    run went (date, seconds, the load average around it), so a reader knows if the machine was busy."""
     from .impl import current
 
     RESULTS.mkdir(exist_ok=True)
-    data = {"machine": machine(), "impl": current(), **result.figures, "rows": result.rows}
+    data = {"machine": machine(), "impl": current(), **(run or {}), **result.figures, "rows": result.rows}
     paths = [RESULTS / f"{name}.json"]
     paths[0].write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
     return paths + ([plot.save(result.plot, name)] if result.plot is not None else [])
@@ -201,10 +203,16 @@ def main(argv=None) -> int:
     except ModuleNotFoundError:
         print(f"No benchmark for stage {args.stage}: labkit/benchmarks/{name}.py does not exist.", file=sys.stderr)
         return 2
-    t0 = time.perf_counter()
-    for path in save(module.main(quick=args.quick), name + ("_quick" if args.quick else "")):
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    result = module.main(quick=args.quick)
+    run = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "seconds": round(time.perf_counter() - t0),
+        "load_average_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],  # at start, at end
+    }
+    for path in save(result, name + ("_quick" if args.quick else ""), run):
         print(f"saved {path.relative_to(ROOT)}")
-    print(f"machine: {machine()}; benchmark took {time.perf_counter() - t0:.0f} s")  # after: it sets threads
+    print(f"machine: {machine()}; benchmark took {run['seconds']} s")  # after: it sets threads
     return 0
 
 

@@ -195,7 +195,6 @@ def main(quick: bool = False) -> bench.Result:
         print(f"  {b:6d} B/token fp32  {name}")
     ppl = eviction_perplexity(n_tokens, budget)
     figures = {
-        "note": "measured while other jobs ran on the machine",
         "repeats": repeats,
         "kv_bytes_per_token_fp32": bytes_per_token,
         "eviction": {"n_tokens": n_tokens, "budget": budget, "segment": SEGMENT, "results": ppl},

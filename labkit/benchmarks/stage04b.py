@@ -122,7 +122,6 @@ def main(quick: bool = False) -> bench.Result:
         {
             "model": label,
             "repeats": repeats,
-            "note": "measured while other jobs ran on the machine",
             "validity": valid,
         },
         fig,
