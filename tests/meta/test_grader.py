@@ -215,7 +215,7 @@ PLANT_HOOK = """
 FORGE = """
     import json, os
 
-    IDS = [f"tests/stage01_forward_numpy/test_toy.py::test_{name}_is_exact" for name in ("add", "sub")]
+    IDS = [f"tests/stage01_forward_numpy/test_01_toy.py::test_{name}_is_exact" for name in ("add", "sub")]
     RECORDS = "".join(json.dumps({"id": i, "outcome": "passed", "message": ""}) + "\\n" for i in IDS).encode()
 
 
@@ -326,9 +326,9 @@ def test_a_result_that_claims_to_equal_anything_fails(course, tmp_path):
 def test_an_in_process_run_cannot_forge_the_outcome_of_a_worker_test(course, tmp_path, monkeypatch):
     """test_add runs in-process, where the code can reach the pipe (README); test_sub runs against a
     worker, and the in-process run's forged record for it must not count."""
-    monkeypatch.setitem(grade.IN_PROCESS, "tests/stage01_forward_numpy/test_toy.py::test_add_is_exact", "")
+    monkeypatch.setitem(grade.IN_PROCESS, "tests/stage01_forward_numpy/test_01_toy.py::test_add_is_exact", "")
     row = submit(course, tmp_path, textwrap.dedent(FORGE))
-    assert "tests/stage01_forward_numpy/test_toy.py::test_sub_is_exact" in [f["test"] for f in row["failures"]], row
+    assert "tests/stage01_forward_numpy/test_01_toy.py::test_sub_is_exact" in [f["test"] for f in row["failures"]], row
 
 
 @needs_sandbox
