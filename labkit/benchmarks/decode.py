@@ -19,6 +19,7 @@ import torch
 from torch.profiler import profile
 
 from labkit import TARGET, bench
+from labkit.checkpoint import model_folder
 from labkit.device import pin_threads
 from labkit.fast_decode import StaticDecoder
 from labkit.impl import load
@@ -97,7 +98,7 @@ def main(quick: bool = False) -> bench.Result:
     from transformers import AutoModelForCausalLM
 
     steps["Hugging Face transformers"] = hf_step(
-        AutoModelForCausalLM.from_pretrained(bench.model_folder(), dtype=torch.float32).eval()
+        AutoModelForCausalLM.from_pretrained(model_folder("MODEL"), dtype=torch.float32).eval()
     )
     with tempfile.TemporaryDirectory() as tmp:
         try:
