@@ -9,15 +9,18 @@ from labkit.model import Config, Llama, init_weights
 from labkit.testing import LLAMA_CONFIGS, labkit_from_hf, random_llama, random_tokens
 
 
-def decode_both(model: Llama, backend: str, seed: int, batch: int = 2, prompt: int = 9, steps: int = 5, device="cpu"):
-    """Logits of `steps` one-token steps after a prompt: model(ids, cache) against StaticDecoder."""
+def decode_both(model: Llama, backend: str, seed: int, batch: int = 2, prompt: int = 6, steps: int = 8, device="cpu"):
+    """Logits of `steps` one-token steps after a prompt: model(ids, cache) against StaticDecoder.
+
+    With window=4 the steps at lengths 6-7 attend over 8 positions and those at 8-13 over 16: the
+    decoder must switch windows mid-sequence."""
     model = model.to(device)
     ids = random_tokens(seed, prompt + steps, model.config.vocab_size, batch).to(device)
     want_cache, got_cache = model.new_cache(batch, 32), model.new_cache(batch, 32)
     with torch.no_grad():
         model(ids[:, :prompt], want_cache)
         model(ids[:, :prompt], got_cache)
-        decoder = StaticDecoder(model, got_cache, backend)
+        decoder = StaticDecoder(model, got_cache, backend, window=4)
         want = [model(ids[:, t : t + 1], want_cache) for t in range(prompt, prompt + steps)]
         got = [decoder(ids[:, t : t + 1]) for t in range(prompt, prompt + steps)]
     return torch.cat(want, 1), torch.cat(got, 1), want_cache, got_cache
