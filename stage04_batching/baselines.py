@@ -27,7 +27,7 @@ class Result:
     finish_time: float
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def sequential(model: Llama, prompts: list[list[int]], max_tokens: list[int]) -> list[Result]:
     """Serve the requests one after another; all arrive at the start."""
     arrival = time.perf_counter()
@@ -47,7 +47,7 @@ def sequential(model: Llama, prompts: list[list[int]], max_tokens: list[int]) ->
     return results
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def static_batching(
     model: Llama, prompts: list[list[int]], max_tokens: list[int], batch_size: int, block_size: int = 16
 ) -> list[Result]:

@@ -85,7 +85,7 @@ MAX_TOKEN_INDEXES = 32  # structured output: the token indexes kept (each is num
 SUPPORTED_EXTRAS = ("attention_bias", "o_proj_bias", "mlp_bias", "qk_norm", "rope_scaling")
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def forward_paged(
     model: Llama,
     cache: PagedKVCache,
@@ -112,8 +112,7 @@ def forward_paged(
         k = attn.k_proj(h).view(N, c.num_key_value_heads, c.head_dim)
         v = attn.v_proj(h).view(N, c.num_key_value_heads, c.head_dim)
         q, k = attn.norm_qk(q, k)  # Qwen3's per-head RMSNorm; a no-op for the others
-        q = apply_rope(q.transpose(0, 1), cos, sin).transpose(0, 1)
-        k = apply_rope(k.transpose(0, 1), cos, sin).transpose(0, 1)
+        q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])  # (N, heads, D)
         cache.write(i, k, v, slots)
         y = paged_attention(q, cache.k[i], cache.v[i], block_tables, context_lens, query_lens)
         x = x + attn.o_proj(y.reshape(N, -1))

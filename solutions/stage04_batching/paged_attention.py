@@ -64,15 +64,18 @@ def paged_attention(
     """
     if len(q) == len(query_lens):  # a pure decode step: one query per sequence, nothing to pad or scatter
         return _decode(q, k_pool, v_pool, block_tables, context_lens)
+    if len(query_lens) == 1:  # one sequence's chunk: its rows are already a batch of one
+        return _attend(q, k_pool, v_pool, block_tables, context_lens, query_lens)
     starts = torch.cumsum(query_lens, 0) - query_lens
     out = torch.empty_like(q)
-    # Decodes are padded into one batch; prefill chunks go apart so a long chunk does not pad every decode.
-    for group in (query_lens == 1, query_lens > 1):
+    # Decodes are batched apart from prefill chunks, so a long chunk does not pad every decode.
+    for group, attend in ((query_lens == 1, _decode), (query_lens > 1, _attend)):
         b = group.nonzero().flatten()
         if len(b) == 0:
             continue
         rows = torch.repeat_interleave(starts[b], query_lens[b]) + _offsets(query_lens[b])
-        out[rows] = _attend(q[rows], k_pool, v_pool, block_tables[b], context_lens[b], query_lens[b])
+        lens = (context_lens[b],) if attend is _decode else (context_lens[b], query_lens[b])
+        out[rows] = attend(q[rows], k_pool, v_pool, block_tables[b], *lens)
     return out
 
 
@@ -80,10 +83,13 @@ def _attend(q, k_pool, v_pool, block_tables, context_lens, query_lens):
     """paged_attention for one group: queries padded to (B, Tq), keys gathered to (B, max_blocks * bs)."""
     B, n_heads, n_kv = len(query_lens), q.shape[1], k_pool.shape[2]
     Tq = int(query_lens.max())
-    seq = torch.repeat_interleave(torch.arange(B), query_lens)  # (N,) which sequence each row is
-    col = _offsets(query_lens)  # (N,) index in its chunk
-    qp = q.new_zeros(B, Tq, n_heads, q.shape[2])
-    qp[seq, col] = q
+    if B == 1:
+        qp = q[None]
+    else:
+        seq = torch.repeat_interleave(torch.arange(B), query_lens)  # (N,) which sequence each row is
+        col = _offsets(query_lens)  # (N,) index in its chunk
+        qp = q.new_zeros(B, Tq, n_heads, q.shape[2])
+        qp[seq, col] = q
     k = k_pool[block_tables].flatten(1, 2)  # (B, max_blocks * bs, n_kv, D)
     v = v_pool[block_tables].flatten(1, 2)
     pos = context_lens[:, None] - query_lens[:, None] + torch.arange(Tq)  # (B, Tq) absolute positions
@@ -92,18 +98,23 @@ def _attend(q, k_pool, v_pool, block_tables, context_lens, query_lens):
     y = F.scaled_dot_product_attention(
         qp.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], enable_gqa=n_heads != n_kv
     )  # (B, n_heads, Tq, D); query head h reads kv head h // (n_heads // n_kv)
-    return y.transpose(1, 2)[seq, col]
+    return y.transpose(1, 2)[0] if B == 1 else y.transpose(1, 2)[seq, col]
 
 
 def _decode(q, k_pool, v_pool, block_tables, context_lens):
-    """paged_attention when every sequence brings one query, the last of its context: no causal mask needed."""
-    k = k_pool[block_tables].flatten(1, 2).transpose(1, 2)  # (B, n_kv, max_blocks * bs, D)
-    v = v_pool[block_tables].flatten(1, 2).transpose(1, 2)
-    mask = torch.arange(k.shape[2]) < context_lens[:, None]  # (B, K): this sequence's keys
-    y = F.scaled_dot_product_attention(
-        q[:, :, None], k, v, attn_mask=mask[:, None, None], enable_gqa=q.shape[1] != k.shape[1]
-    )  # (B, n_heads, 1, D); query head h reads kv head h // (n_heads // n_kv)
-    return y[:, :, 0]
+    """paged_attention when every sequence brings one query, the last of its context: no causal mask needed.
+
+    Keys are gathered up to the longest context only, and the n_heads / n_kv query heads that share a
+    kv head go in as rows of that head (labkit.model.grouped_attention's trick): one sequence alone
+    then needs no mask at all, which is what keeps a batch of one as fast as the plain cached loop."""
+    B, n_heads, D = q.shape
+    n_kv, K = k_pool.shape[2], int(context_lens.max())
+    blocks = block_tables.flatten()  # index_select: the cheapest gather of whole blocks on CPU
+    k = k_pool.index_select(0, blocks).view(B, -1, n_kv, D)[:, :K].transpose(1, 2)  # (B, n_kv, K, D)
+    v = v_pool.index_select(0, blocks).view(B, -1, n_kv, D)[:, :K].transpose(1, 2)
+    mask = None if B == 1 else (torch.arange(K) < context_lens[:, None])[:, None, None]  # (B, 1, 1, K)
+    y = F.scaled_dot_product_attention(q.view(B, n_kv, n_heads // n_kv, D), k, v, attn_mask=mask)
+    return y.view(B, n_heads, D)  # query head h = kv head h // (n_heads // n_kv), row h % (n_heads // n_kv)
 
 
 def _offsets(lens: torch.Tensor) -> torch.Tensor:

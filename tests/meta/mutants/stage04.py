@@ -294,10 +294,16 @@ MUTANTS = [
     ),
     dict(
         file="paged_attention.py",
-        find="for group in (query_lens == 1, query_lens > 1):",
-        replace="for group in (query_lens >= 1,):",
+        find="for group, attend in ((query_lens == 1, _decode), (query_lens > 1, _attend)):",
+        replace="for group, attend in ((query_lens >= 1, _attend),):",
         bug="equivalent: decodes and prefills attended in one padded group",
         equivalent="one padded group computes the same attention; the split only saves padding",
+    ),
+    dict(
+        file="paged_attention.py",
+        find="rows = torch.repeat_interleave(starts[b], query_lens[b]) + _offsets(query_lens[b])",
+        replace="rows = torch.repeat_interleave(starts[b], query_lens[b])",
+        bug="paged_attention's mixed batch sends every row of a chunk to its first query",
     ),
     # engine.py
     dict(
@@ -484,8 +490,14 @@ MUTANTS = [
     ),
     dict(
         file="paged_attention.py",
-        find="mask = torch.arange(k.shape[2]) < context_lens[:, None]",
-        replace="mask = torch.arange(k.shape[2]) <= context_lens[:, None]",
-        bug="paged_attention's decode path reads one slot past each sequence's context",
+        find="(torch.arange(K) < context_lens[:, None])",
+        replace="(torch.arange(K) <= context_lens[:, None])",
+        bug="paged_attention's decode path reads one slot past each shorter sequence's context",
+    ),
+    dict(
+        file="paged_attention.py",
+        find="n_kv, K = k_pool.shape[2], int(context_lens.max())",
+        replace="n_kv, K = k_pool.shape[2], int(context_lens.max()) + 1",
+        bug="paged_attention's decode path reads one unwritten slot past the longest context (unmasked alone)",
     ),
 ]
