@@ -67,17 +67,8 @@ def random_gpt2(seed: int = 0, **overrides):
     """A random-init transformers GPT2LMHeadModel in float32, eval mode, dropout off."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    kw = dict(
-        vocab_size=101,
-        n_positions=128,
-        n_embd=48,
-        n_layer=2,
-        n_head=3,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    kw.update(overrides)
+    kw = dict(vocab_size=101, n_positions=128, n_embd=48, n_layer=2, n_head=3)
+    kw.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **overrides)
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(GPT2Config(**kw)).float().eval()
     with torch.no_grad():
