@@ -247,10 +247,15 @@ def _close(per_rank, what, p):
         )
 
 
-def _made_only(per_rank, p, collectives: dict):
-    """With more than one rank the layer made exactly `collectives`; alone it made none."""
-    expected = collectives if p > 1 else {}
-    assert per_rank[0]["collectives"] == expected, f"TP={p}: expected {expected}, made {per_rank[0]['collectives']}"
+def _layer_matches_nn(group, check, what, made=None):
+    """Every rank's output of layer `check` equals torch.nn's; with `made`, the collectives of more
+    than one rank were exactly those (and a single rank made none)."""
+    p = group[0]
+    per_rank = _results(group, "layers", check)
+    _close(per_rank, what, p)
+    if made is not None:
+        expected = made if p > 1 else {}
+        assert per_rank[0]["collectives"] == expected, f"TP={p}: expected {expected}, made {per_rank[0]['collectives']}"
 
 
 def _logits_equal_hf(group, name, key, what):
@@ -274,32 +279,24 @@ def test_column_parallel_linear_keeps_its_slice_without_communication(group):
 
 
 def test_column_parallel_linear_gather_output_equals_nn_linear(group):
-    p = group[0]
-    per_rank = _results(group, "layers", "column_gather")
-    _close(per_rank, "ColumnParallelLinear(gather_output=True)", p)
-    _made_only(per_rank, p, {"all_gather": 1})
+    _layer_matches_nn(group, "column_gather", "ColumnParallelLinear(gather_output=True)", made={"all_gather": 1})
 
 
 def test_row_parallel_linear_one_all_reduce_bias_once(group):
-    p = group[0]
-    per_rank = _results(group, "layers", "row")
-    _close(per_rank, "RowParallelLinear(input_is_parallel=True) with bias", p)
-    _made_only(per_rank, p, {"all_reduce": 1})
+    _layer_matches_nn(group, "row", "RowParallelLinear(input_is_parallel=True) with bias", made={"all_reduce": 1})
 
 
 def test_row_parallel_linear_splits_a_full_input(group):
-    _close(_results(group, "layers", "row_full_input"), "RowParallelLinear(input_is_parallel=False)", group[0])
+    _layer_matches_nn(group, "row_full_input", "RowParallelLinear(input_is_parallel=False)")
 
 
 def test_vocab_parallel_embedding_equals_nn_embedding(group):
-    p = group[0]
-    per_rank = _results(group, "layers", "embedding")
-    _close(per_rank, "VocabParallelEmbedding (ids at both ends of every shard)", p)
-    _made_only(per_rank, p, {"all_reduce": 1})
+    what = "VocabParallelEmbedding (ids at both ends of every shard)"
+    _layer_matches_nn(group, "embedding", what, made={"all_reduce": 1})
 
 
 def test_vocab_parallel_lm_head_gathers_full_logits(group):
-    _close(_results(group, "layers", "lm_head"), "vocab-parallel LM head logits", group[0])
+    _layer_matches_nn(group, "lm_head", "vocab-parallel LM head logits")
 
 
 @pytest.mark.parametrize("name", MODEL_CONFIGS)
@@ -321,12 +318,16 @@ def test_tp_greedy_generation_equals_hf(group, name):
         )
 
 
+def _local_kv_heads(c, p):
+    """KV heads one rank holds: its share, or one replicated head when they do not divide over the ranks."""
+    return c.num_key_value_heads // p if c.num_key_value_heads % p == 0 else 1
+
+
 def test_tp_kv_cache_holds_only_local_kv_heads(group):
     p, _, expected = group
     for name in MODEL_CONFIGS:
         c = expected[name]["config"]
-        local_kv = c.num_key_value_heads // p if c.num_key_value_heads % p == 0 else 1
-        shape = _results(group, "model", name)[0]["cache_shape"]
+        shape, local_kv = _results(group, "model", name)[0]["cache_shape"], _local_kv_heads(c, p)
         assert shape[1] == local_kv and shape[3] == c.head_dim, (
             f"TP={p}, {name}: cache k shape {shape}, expected {local_kv} local KV heads of dim {c.head_dim}"
         )
@@ -336,8 +337,7 @@ def test_each_rank_holds_one_shard_of_the_weights(group):
     p, _, expected = group
     for name in MODEL_CONFIGS:
         c = expected[name]["config"]
-        kv = c.num_key_value_heads // p if c.num_key_value_heads % p == 0 else 1
-        attn = c.hidden_size * c.head_dim * (2 * c.num_attention_heads // p + 2 * kv)
+        attn = c.hidden_size * c.head_dim * (2 * c.num_attention_heads // p + 2 * _local_kv_heads(c, p))
         mlp = 3 * c.hidden_size * c.intermediate_size // p
         norms = c.hidden_size * (2 * c.num_hidden_layers + 1)
         head = c.vocab_size * c.hidden_size // p * (1 if c.tie_word_embeddings else 2)
