@@ -165,6 +165,15 @@ def drop_tied_copy(state: dict[str, torch.Tensor], tied: str, source: str, path)
         del state[tied]
 
 
+def check_state(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], tied: bool, path) -> None:
+    """A strict Llama-family load's checks: with tie_word_embeddings (`tied`) a stored lm_head copy
+    is dropped if it is one, then every expected tensor must be there with its shape and nothing else."""
+    if tied:
+        drop_tied_copy(state, "lm_head.weight", "model.embed_tokens.weight", path)
+    check_shapes(state, expected, path)
+    check_unused(state, expected, path)
+
+
 def save(path: str | os.PathLike, config: dict, state: dict[str, torch.Tensor], extra_files=()) -> None:
     """Write a model folder atomically: everything goes to a temporary folder that is renamed last,
     so a crash mid-write leaves the old folder intact rather than half a checkpoint."""

@@ -468,11 +468,7 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32)
     config = Config.from_hf(checkpoint.read_config(path, family="llama"))
     checkpoint.check_fits(path, num_params(config), dtype)
     state = checkpoint.load_state_dict(path)
-    expected = expected_shapes(config)
-    if config.tie_word_embeddings:
-        checkpoint.drop_tied_copy(state, "lm_head.weight", "model.embed_tokens.weight", path)
-    checkpoint.check_shapes(state, expected, path)
-    checkpoint.check_unused(state, expected, path)
+    checkpoint.check_state(state, expected_shapes(config), config.tie_word_embeddings, path)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model = Llama(config)

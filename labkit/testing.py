@@ -67,17 +67,8 @@ def random_gpt2(seed: int = 0, **overrides):
     """A random-init transformers GPT2LMHeadModel in float32, eval mode, dropout off."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    kw = dict(
-        vocab_size=101,
-        n_positions=128,
-        n_embd=48,
-        n_layer=2,
-        n_head=3,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    kw.update(overrides)
+    kw = dict(vocab_size=101, n_positions=128, n_embd=48, n_layer=2, n_head=3)
+    kw.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **overrides)
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(GPT2Config(**kw)).float().eval()
     with torch.no_grad():
@@ -271,3 +262,48 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
         eos_token_id=hf_model.config.vocab_size,
     )
     return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def hf_logits(hf_model, ids: torch.Tensor) -> np.ndarray:
+    """The HF model's logits (T, vocab) float32 for one sequence ids (T,) int64."""
+    return hf_model(ids[None]).logits[0].numpy()
+
+
+def capture(module, run):
+    """(hidden_states going into `module`, its output) while run() executes the whole model."""
+    seen = {}
+
+    def hook(mod, args, kwargs, out):
+        seen["in"] = args[0] if args else kwargs["hidden_states"]
+        seen["out"] = out[0] if isinstance(out, tuple) else out
+
+    handle = module.register_forward_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        handle.remove()
+    return seen["in"][0].numpy(), seen["out"][0].numpy()
+
+
+def check_numpy_forward(forward, to_params, hf_model, seed: int, length: int, what: str) -> None:
+    """A NumPy forward(params, ids (T,)) on `length` seeded tokens must give the HF model's logits:
+    shape (T, vocab), float32, within 1e-4. to_params(hf_model) builds the params dict it reads."""
+    ids = random_tokens(seed, length, hf_model.config.vocab_size)
+    got = forward(to_params(hf_model), ids.numpy())
+    expected = hf_logits(hf_model, ids)
+    assert got.shape == expected.shape, f"{what}: logits shape {got.shape}, expected (T, V) = {expected.shape}"
+    assert got.dtype == np.float32, f"{what}: logits are {got.dtype}; keep every array float32"
+    delta = np.abs(got - expected).max()
+    name = type(hf_model).__name__
+    assert delta < 1e-4, f"{what} (seed={seed}, T={length}): max |Δlogits| vs {name} = {delta:.2e}"
+
+
+def check_numpy_greedy(generate, forward, to_params, hf_model, seed: int, prompt_length: int, what: str) -> None:
+    """generate(forward, params, prompt, 12) from a seeded prompt must pick HF generate(do_sample=False)'s
+    12 tokens. to_params(hf_model) builds the params dict forward reads."""
+    prompt = random_tokens(seed, prompt_length, hf_model.config.vocab_size).tolist()
+    expected = hf_greedy(hf_model, prompt, 12)
+    got = generate(forward, to_params(hf_model), prompt, 12)
+    assert got == expected, f"{what} (seed={seed}) prompt {prompt}: got {got}, HF generate(do_sample=False) {expected}"

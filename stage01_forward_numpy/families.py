@@ -48,11 +48,7 @@ def load_family_params(source: str | os.PathLike | dict, config: dict | None = N
         c = Config.from_hf(config)
         checkpoint.check_fits(source, num_params(c), torch.float32, config)
         state = checkpoint.load_arrays(source)
-    expected = expected_shapes(c)
-    if c.tie_word_embeddings:
-        checkpoint.drop_tied_copy(state, "lm_head.weight", "model.embed_tokens.weight", where)
-    checkpoint.check_shapes(state, expected, where)
-    checkpoint.check_unused(state, expected, where)
+    checkpoint.check_state(state, expected_shapes(c), c.tie_word_embeddings, where)
     state = {k.removeprefix("model."): v for k, v in state.items()}
     per_layer = LINEARS + NORMS + BIASES + QK_NORMS
     return {

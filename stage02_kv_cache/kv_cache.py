@@ -42,7 +42,24 @@ class LayerCache:
         raise NotImplementedError("stage02: LayerCache.truncate — see lab.ipynb §2")
 
 
-class KVCache:
+class LayerStack:
+    """What every per-layer cache in this stage shares: `layers` holds one cache per decoder layer.
+
+    The layers advance together, so the stack's length is layer 0's; its memory is their sum.
+    """
+
+    layers: list
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+
+class KVCache(LayerStack):
     """One `layer_type` cache per decoder layer, all advancing together.
 
     Each layer's `append` advances that layer's `length`; `KVCache.length` reads layer 0's. (The
@@ -57,14 +74,6 @@ class KVCache:
             self.layer_type(batch, config.num_key_value_heads, max_seq_len, config.head_dim, dtype)
             for _ in range(config.num_hidden_layers)
         ]
-
-    @property
-    def length(self) -> int:
-        return self.layers[0].length
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
 
     def truncate(self, n: int) -> None:
         for layer in self.layers:

@@ -16,6 +16,8 @@ import torch
 
 from labkit.model import rope_cos_sin
 
+from .kv_cache import LayerStack
+
 
 def rope(x: torch.Tensor, positions: torch.Tensor, config) -> torch.Tensor:
     """Rotate x (..., T, p) by positions (T,) int64, DeepSeek's way (given).
@@ -132,7 +134,7 @@ def mla_block(attn, x: torch.Tensor, positions: torch.Tensor, mask, cache=None, 
     raise NotImplementedError("stage02: mla_block — see lab2.ipynb §4")
 
 
-class MLACache:
+class MLACache(LayerStack):
     """One MLALayerCache per decoder layer (given)."""
 
     def __init__(self, config, batch: int, max_seq_len: int, dtype=torch.float32):
@@ -140,14 +142,6 @@ class MLACache:
             MLALayerCache(batch, max_seq_len, config.kv_lora_rank, config.qk_rope_head_dim, dtype)
             for _ in range(config.num_hidden_layers)
         ]
-
-    @property
-    def length(self) -> int:
-        return self.layers[0].length
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
 
 
 @torch.no_grad()

@@ -18,6 +18,8 @@ import torch
 
 from labkit.model import Attention, Llama, apply_rope, repeat_kv, rope_cos_sin  # noqa: F401
 
+from .kv_cache import LayerStack
+
 
 class SinkWindow:
     """Evict the oldest token that is not one of the first n_sink (StreamingLLM)."""
@@ -92,7 +94,7 @@ def streaming_attention(attn: Attention, x: torch.Tensor, cache: StreamingLayerC
     raise NotImplementedError("stage02: streaming_attention — see lab2.ipynb §7")
 
 
-class StreamingCache:
+class StreamingCache(LayerStack):
     """One StreamingLayerCache per layer, each evicting on its own (given)."""
 
     def __init__(self, config, budget: int, policy, dtype=torch.float32):
@@ -100,14 +102,6 @@ class StreamingCache:
             StreamingLayerCache(config.num_key_value_heads, budget, config.head_dim, policy, dtype)
             for _ in range(config.num_hidden_layers)
         ]
-
-    @property
-    def length(self) -> int:
-        return self.layers[0].length
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
 
 
 @torch.no_grad()

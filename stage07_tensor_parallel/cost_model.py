@@ -20,22 +20,8 @@ from labkit.model import Config
 
 from .tp_model import local_head_counts
 
-# Llama-3-70B's shapes (meta-llama/Meta-Llama-3-70B config.json).
-LLAMA3_70B = Config(
-    vocab_size=128256,
-    hidden_size=8192,
-    intermediate_size=28672,
-    num_hidden_layers=80,
-    num_attention_heads=64,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=8192,
-    rope_theta=500_000.0,
-    tie_word_embeddings=False,
-)
-# H100 SXM dense BF16 and HBM3 figures (the course plan's); the links are nominal per-direction
-# bandwidths with an assumed per-step latency: planning numbers, not measurements.
-H100 = dict(flops=989e12, hbm_bandwidth=3.35e12)
+# Nominal per-direction link bandwidths with an assumed per-step latency: planning numbers, not
+# measurements. The model and GPU figures they go with are labkit.specs' LLAMA3_70B and H100.
 NVLINK = dict(link_bandwidth=450e9, link_latency=1e-6)  # NVLink 4: 900 GB/s both directions
 PCIE = dict(link_bandwidth=64e9, link_latency=4e-6)  # PCIe 5.0 x16
 

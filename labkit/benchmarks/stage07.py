@@ -20,6 +20,7 @@ import torch.distributed as dist
 from labkit import bench, plot
 from labkit.distributed import launch
 from labkit.impl import load
+from labkit.specs import H100, LLAMA3_70B
 
 CONTEXT = 64
 
@@ -131,7 +132,7 @@ def llama3_70b_planning(cost) -> list[dict]:
     planning = []
     for link_name, link in (("NVLink", cost.NVLINK), ("PCIe", cost.PCIE)):
         for p in (1, 2, 4, 8):
-            t = cost.tp_step_time(cost.LLAMA3_70B, p, 1, **link, **cost.H100, context=1024)
+            t = cost.tp_step_time(LLAMA3_70B, p, 1, **link, **H100, context=1024)
             planning.append({"link": link_name, "TP": p, "ms/token": t.total * 1e3, "HBM (ms)": t.memory * 1e3,
                              "compute (ms)": t.compute * 1e3, "comm (ms)": t.comm * 1e3})  # fmt: skip
     title = "cost model: Llama-3-70B bf16, batch 1, context 1024, H100 (989 TFLOP/s, 3.35 TB/s)"

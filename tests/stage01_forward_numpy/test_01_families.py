@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from labkit.testing import FAMILY_CONFIGS, random_gpt2, random_tokens, relative_error, save_family
+from labkit.testing import FAMILY_CONFIGS, hf_logits, random_gpt2, random_tokens, relative_error, save_family
 
 SEED = 21
 T = 24  # longer than Mistral's window (5) and the llama3 scaling's original length (16)
@@ -31,11 +31,6 @@ GPT2_SIZES = {"small": 12, "medium": 16, "large": 20, "xl": 25}
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     return {name: (root / name, save_family(name, root / name, seed=SEED + i)) for i, name in enumerate(FAMILY_CONFIGS)}
-
-
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(ids[None]).logits[0]
 
 
 @pytest.mark.parametrize("name", FAMILY_CONFIGS)

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit.testing import hf_greedy, random_gpt2, random_tokens
+from labkit.testing import capture, check_numpy_forward, check_numpy_greedy, hf_logits, random_gpt2, random_tokens
 
 MODULE = "stage01_forward_numpy.gpt2_numpy"
 SEEDS = [0, 1, 2]
@@ -55,28 +55,6 @@ def expected_params(hf) -> dict:
         "lm_head": sd["lm_head.weight"],
         "blocks": [{k: sd[f"transformer.h.{i}.{k}"] for k in BLOCK_KEYS} for i in range(c.n_layer)],
     }
-
-
-def capture(module, run):
-    """(hidden_states going into `module`, its output) while run() executes the whole model."""
-    seen = {}
-
-    def hook(mod, args, kwargs, out):
-        seen["in"] = args[0] if args else kwargs["hidden_states"]
-        seen["out"] = out[0] if isinstance(out, tuple) else out
-
-    handle = module.register_forward_hook(hook, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            run()
-    finally:
-        handle.remove()
-    return seen["in"][0].numpy(), seen["out"][0].numpy()
-
-
-def hf_logits(hf, ids: torch.Tensor) -> np.ndarray:
-    with torch.no_grad():
-        return hf(ids[None]).logits[0].numpy()
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -230,24 +208,13 @@ def test_transformer_block_matches_hf_gpt2_block(impl, seed):
 @pytest.mark.parametrize("name", GPT2_CONFIGS)
 def test_gpt2_forward_matches_hf_logits(impl, name):
     seed = len(name)
-    hf = gpt2(name, seed)
-    ids = random_tokens(seed, LENGTHS[name], hf.config.vocab_size)
-    got = impl(MODULE).gpt2_forward(expected_params(hf), ids.numpy())
-    expected = hf_logits(hf, ids)
-    assert got.shape == expected.shape, f"{name}: logits shape {got.shape}, expected (T, V) = {expected.shape}"
-    assert got.dtype == np.float32, f"{name}: logits are {got.dtype}; keep every array float32"
-    delta = np.abs(got - expected).max()
-    assert delta < 1e-4, f"{name} (seed={seed}, T={len(ids)}): max |Δlogits| vs GPT2LMHeadModel = {delta:.2e}"
+    check_numpy_forward(impl(MODULE).gpt2_forward, expected_params, gpt2(name, seed), seed, LENGTHS[name], name)
 
 
 @pytest.mark.parametrize("name", GPT2_CONFIGS)
 def test_gpt2_greedy_tokens_match_hf_generate(impl, name):
-    seed = len(name) + 1
-    hf = gpt2(name, seed)
-    prompt = random_tokens(seed, 5, hf.config.vocab_size).tolist()
-    expected = hf_greedy(hf, prompt, 12)
-    got = impl("stage01_forward_numpy.sampling").generate(impl(MODULE).gpt2_forward, expected_params(hf), prompt, 12)
-    assert got == expected, f"{name} (seed={seed}) prompt {prompt}: got {got}, HF generate(do_sample=False) {expected}"
+    seed, generate = len(name) + 1, impl("stage01_forward_numpy.sampling").generate
+    check_numpy_greedy(generate, impl(MODULE).gpt2_forward, expected_params, gpt2(name, seed), seed, 5, name)
 
 
 def assert_same_params(got: dict, expected: dict, what: str):

@@ -7,7 +7,15 @@ from transformers import LlamaConfig
 from transformers.models.llama import modeling_llama as hf_llama
 
 import labkit
-from labkit.testing import LLAMA_CONFIGS, hf_greedy, random_llama, random_tokens
+from labkit.testing import (
+    LLAMA_CONFIGS,
+    capture,
+    check_numpy_forward,
+    check_numpy_greedy,
+    hf_logits,
+    random_llama,
+    random_tokens,
+)
 
 MODULE = "stage01_forward_numpy.llama_numpy"
 SEEDS = [0, 1, 2]
@@ -68,11 +76,6 @@ def expected_params(hf) -> dict:
     }
 
 
-def hf_logits(hf, ids: torch.Tensor) -> np.ndarray:
-    with torch.no_grad():
-        return hf(ids[None]).logits[0].numpy()
-
-
 @pytest.mark.parametrize("seed", SEEDS)
 def test_rms_norm_matches_hf(impl, seed):
     rng = np.random.default_rng(seed)
@@ -128,23 +131,6 @@ def test_swiglu_matches_hf_llama_mlp(impl, seed):
     np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=f"seed={seed}")
 
 
-def capture(module, run):
-    """(hidden_states going into `module`, its output) while run() executes the whole model."""
-    seen = {}
-
-    def hook(mod, args, kwargs, out):
-        seen["in"] = args[0] if args else kwargs["hidden_states"]
-        seen["out"] = out[0] if isinstance(out, tuple) else out
-
-    handle = module.register_forward_hook(hook, with_kwargs=True)
-    try:
-        with torch.no_grad():
-            run()
-    finally:
-        handle.remove()
-    return seen["in"][0].numpy(), seen["out"][0].numpy()
-
-
 @pytest.mark.parametrize("name", LLAMA_CONFIGS)
 def test_llama_attention_matches_hf_self_attn(impl, name):
     hf = llama(name, 3)
@@ -171,24 +157,13 @@ def test_llama_block_matches_hf_decoder_layer(impl, name):
 @pytest.mark.parametrize("name", LLAMA_CONFIGS)
 def test_llama_forward_matches_hf_logits(impl, name):
     seed = len(name)
-    hf = llama(name, seed)
-    ids = random_tokens(seed, LENGTHS[name], hf.config.vocab_size)
-    got = impl(MODULE).llama_forward(expected_params(hf), ids.numpy())
-    expected = hf_logits(hf, ids)
-    assert got.shape == expected.shape, f"{name}: logits shape {got.shape}, expected (T, V) = {expected.shape}"
-    assert got.dtype == np.float32, f"{name}: logits are {got.dtype}; keep every array float32"
-    delta = np.abs(got - expected).max()
-    assert delta < 1e-4, f"{name} (seed={seed}, T={len(ids)}): max |Δlogits| vs LlamaForCausalLM = {delta:.2e}"
+    check_numpy_forward(impl(MODULE).llama_forward, expected_params, llama(name, seed), seed, LENGTHS[name], name)
 
 
 @pytest.mark.parametrize("name", LLAMA_CONFIGS)
 def test_llama_greedy_tokens_match_hf_generate(impl, name):
-    seed = len(name) + 1
-    hf = llama(name, seed)
-    prompt = random_tokens(seed, 4, hf.config.vocab_size).tolist()
-    expected = hf_greedy(hf, prompt, 12)
-    got = impl("stage01_forward_numpy.sampling").generate(impl(MODULE).llama_forward, expected_params(hf), prompt, 12)
-    assert got == expected, f"{name} (seed={seed}) prompt {prompt}: got {got}, HF generate(do_sample=False) {expected}"
+    seed, generate = len(name) + 1, impl("stage01_forward_numpy.sampling").generate
+    check_numpy_greedy(generate, impl(MODULE).llama_forward, expected_params, llama(name, seed), seed, 4, name)
 
 
 @pytest.mark.parametrize("name", LLAMA_CONFIGS)

@@ -4,19 +4,9 @@ import numpy as np
 import pytest
 
 from labkit.model import Config
+from labkit.specs import LLAMA3_8B, LLAMA3_70B
 
 MEMORY = "stage02_kv_cache.memory"
-
-LLAMA3_8B = Config(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-)
-LLAMA3_70B = Config(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, head_dim=128)
 H100_BYTES = 80 * 10**9
 
 

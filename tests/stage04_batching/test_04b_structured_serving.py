@@ -124,6 +124,13 @@ def server(impl, tokenizer):
     s.close()
 
 
+def sampled_completion(client, seed: int, max_tokens: int, **extra_body):
+    """A seeded temperature-1 /v1/completions request of PROMPT; extra_body carries the constraint."""
+    return client.completions.create(
+        model="test-model", prompt=PROMPT, max_tokens=max_tokens, temperature=1.0, seed=seed, extra_body=extra_body
+    )
+
+
 def test_openai_client_gets_schema_valid_json_from_both_endpoints(server):
     from openai import OpenAI
 
@@ -137,25 +144,11 @@ def test_openai_client_gets_schema_valid_json_from_both_endpoints(server):
         )
         text = chat.choices[0].message.content
         jsonschema.validate(json.loads(text), schema)
-        done = client.completions.create(
-            model="test-model",
-            prompt=PROMPT,
-            max_tokens=120,
-            temperature=1.0,
-            seed=seed,
-            extra_body={"response_format": fmt},
-        )
+        done = sampled_completion(client, seed, 120, response_format=fmt)
         jsonschema.validate(json.loads(done.choices[0].text), schema)
     pattern = r"(yes|no), [0-9]{2}"
     for seed in range(3):
-        out = client.completions.create(
-            model="test-model",
-            prompt=PROMPT,
-            max_tokens=20,
-            temperature=1.0,
-            seed=seed,
-            extra_body={"guided_regex": pattern},
-        )
+        out = sampled_completion(client, seed, 20, guided_regex=pattern)
         assert re.fullmatch(pattern, out.choices[0].text), f"seed={seed}: {out.choices[0].text!r}"
         assert out.choices[0].finish_reason == "stop", f"seed={seed}"
     obj = client.chat.completions.create(

@@ -3,31 +3,12 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from stage05_helpers import peaked
+from stage05_helpers import peaked, qkv, reference_lse, sdpa
 
 from labkit.device import pin_threads
 from labkit.tensor_memory import TensorWatch
 
 MODULE = "stage05_flashattention.tiled_attention"
-
-
-def qkv(seed: int, B: int, H: int, H_kv: int, T: int, D: int):
-    g = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(B, H, T, D, generator=g),
-        torch.randn(B, H_kv, T, D, generator=g),
-        torch.randn(B, H_kv, T, D, generator=g),
-    )
-
-
-def reference_lse(q, k, causal):
-    """log Σ_j exp(q·k_j/√D) over the attended keys, from the full score matrix."""
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
-    if causal:
-        T = q.shape[2]
-        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    return torch.logsumexp(s, dim=-1)
 
 
 @pytest.fixture
@@ -50,7 +31,7 @@ CASES = [  # seed, H, H_kv, T, block_q, block_k, causal: GQA ratios 1/2/4, T not
 def test_tiled_attention_matches_sdpa(impl, seed, H, H_kv, T, block_q, block_k, causal):
     q, k, v = qkv(seed, 2, H, H_kv, T, 16)
     o, lse = impl(MODULE).tiled_attention(q, k, v, causal=causal, block_q=block_q, block_k=block_k)
-    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    expected = sdpa(q, k, v, causal)
     where = f"seed={seed}, H={H}, H_kv={H_kv}, T={T}, blocks=({block_q},{block_k}), causal={causal}"
     torch.testing.assert_close(o, expected, atol=1e-5, rtol=1e-5, msg=f"output differs from SDPA ({where})")
     torch.testing.assert_close(lse, reference_lse(q, k, causal), atol=1e-5, rtol=1e-5, msg=f"lse differs ({where})")
@@ -60,9 +41,9 @@ def test_tiled_attention_matches_sdpa(impl, seed, H, H_kv, T, block_q, block_k, 
 def test_tiled_attention_keeps_the_running_max_across_tiles(impl, causal):
     q, k, v = peaked(5, 1, 4, 2, 50, 16)
     o, lse = impl(MODULE).tiled_attention(q, k, v, causal=causal, block_q=16, block_k=16)
-    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    torch.testing.assert_close(o, expected, atol=1e-5, rtol=1e-5, msg=f"seed=5 causal={causal}: max in the first tile")
-    torch.testing.assert_close(lse, reference_lse(q, k, causal), atol=1e-4, rtol=1e-5, msg=f"seed=5 causal={causal}")
+    what = f"seed=5 causal={causal}"
+    torch.testing.assert_close(o, sdpa(q, k, v, causal), atol=1e-5, rtol=1e-5, msg=f"{what}: max in the first tile")
+    torch.testing.assert_close(lse, reference_lse(q, k, causal), atol=1e-4, rtol=1e-5, msg=what)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -74,9 +74,9 @@ VERIFY_CASES = [(name, "llama") for name in LLAMA_CONFIGS] + [
 
 
 def random_target(name: str, kind: str, seed: int):
-    if kind == "llama":
-        return random_llama(seed, **LLAMA_CONFIGS[name])
-    return random_family(name, seed=seed)[0]
+    """(HF model, its labkit twin, vocab size) of a random Llama config or a random family."""
+    hf = random_llama(seed, **LLAMA_CONFIGS[name]) if kind == "llama" else random_family(name, seed=seed)[0]
+    return hf, labkit_from_hf(hf), hf.config.vocab_size
 
 
 @pytest.mark.parametrize(("name", "kind"), VERIFY_CASES)
@@ -84,8 +84,7 @@ def test_verify_tree_logits_equal_each_path_run_separately(impl, name, kind):
     """One forward over the whole tree gives, at every node, the logits of the prefix + that node's path."""
     m = impl(MEDUSA)
     seed = 11 + VERIFY_CASES.index((name, kind))
-    hf = random_target(name, kind, seed)
-    model, V = labkit_from_hf(hf), hf.config.vocab_size
+    hf, model, V = random_target(name, kind, seed)
     prefix = random_tokens(seed, 5 + seed % 7, V).tolist()
     paths = random_paths(seed, 4, n=14)
     tokens, parents, depths = brute_force_tree(
@@ -182,8 +181,7 @@ def test_after_a_round_the_cache_continues_like_a_fresh_forward(impl, name, kind
     """verify → accept → commit, then decode the bonus token: HF on prefix + accepted + bonus agrees."""
     m = impl(MEDUSA)
     seed = 31 + VERIFY_CASES.index((name, kind))
-    hf = random_target(name, kind, seed)
-    model, V = labkit_from_hf(hf), hf.config.vocab_size
+    hf, model, V = random_target(name, kind, seed)
     prefix = random_tokens(seed, 6 + seed % 5, V).tolist()
     binary = {tuple((i >> b) & 1 for b in range(d)) for d in range(1, 5) for i in range(2**d)}  # ranks 0, 1
     paths = sorted(binary | set(random_paths(seed, 4, n=8)), key=lambda p: (len(p), p))

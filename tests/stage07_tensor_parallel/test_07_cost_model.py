@@ -5,12 +5,10 @@ import math
 import pytest
 
 from labkit.model import Config
+from labkit.specs import H100, LLAMA3_70B
 
 TINY = Config(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
               num_attention_heads=8, num_key_value_heads=2, head_dim=32)  # fmt: skip
-LLAMA3_70B = Config(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                    num_attention_heads=64, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)  # fmt: skip
-H100 = dict(flops=989e12, hbm_bandwidth=3.35e12)
 LINKS = {"nvlink": dict(link_bandwidth=450e9, link_latency=3e-6), "pcie": dict(link_bandwidth=64e9, link_latency=10e-6)}
 
 

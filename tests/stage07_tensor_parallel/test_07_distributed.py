@@ -89,42 +89,27 @@ def _layer_checks(layers, counter, rank, p):
         except Exception:
             out[name] = {"error": traceback.format_exc()}
 
-    def column():
+    def column(gather_output):
         full = torch.nn.Linear(n_in, n_out, bias=True)
-        layer = layers.ColumnParallelLinear(n_in, n_out, bias=True, gather_output=False)
+        layer = layers.ColumnParallelLinear(n_in, n_out, bias=True, gather_output=gather_output)
         layer.weight.data.copy_(full.weight[slice_of(n_out)])
         layer.bias.data.copy_(full.bias[slice_of(n_out)])
-        got = layer(x)
+        got, want = layer(x), full(x)
+        if not gather_output:
+            want = want[..., slice_of(n_out)]  # each rank keeps its own slice of the outputs
         return {
-            "delta": (got - full(x)[..., slice_of(n_out)]).abs().max().item(),
+            "delta": (got - want).abs().max().item(),
             "shape": tuple(got.shape),
-            "expected_shape": (2, 5, n_out // p),
+            "expected_shape": tuple(want.shape),
         }
 
-    def column_gather():
-        full = torch.nn.Linear(n_in, n_out, bias=True)
-        layer = layers.ColumnParallelLinear(n_in, n_out, bias=True, gather_output=True)
-        layer.weight.data.copy_(full.weight[slice_of(n_out)])
-        layer.bias.data.copy_(full.bias[slice_of(n_out)])
-        got = layer(x)
-        return {"delta": (got - full(x)).abs().max().item(), "shape": tuple(got.shape)}
-
-    def row():
+    def row(input_is_parallel):
         full = torch.nn.Linear(n_out, n_in, bias=True)
         h = torch.randn(2, 5, n_out)
-        layer = layers.RowParallelLinear(n_out, n_in, bias=True, input_is_parallel=True)
+        layer = layers.RowParallelLinear(n_out, n_in, bias=True, input_is_parallel=input_is_parallel)
         layer.weight.data.copy_(full.weight[:, slice_of(n_out)])
         layer.bias.data.copy_(full.bias)
-        got = layer(h[..., slice_of(n_out)])
-        return {"delta": (got - full(h)).abs().max().item(), "shape": tuple(got.shape)}
-
-    def row_full_input():
-        full = torch.nn.Linear(n_out, n_in, bias=True)
-        h = torch.randn(2, 5, n_out)
-        layer = layers.RowParallelLinear(n_out, n_in, bias=True, input_is_parallel=False)
-        layer.weight.data.copy_(full.weight[:, slice_of(n_out)])
-        layer.bias.data.copy_(full.bias)
-        got = layer(h)
+        got = layer(h[..., slice_of(n_out)] if input_is_parallel else h)
         return {"delta": (got - full(h)).abs().max().item(), "shape": tuple(got.shape)}
 
     def embedding():
@@ -142,9 +127,12 @@ def _layer_checks(layers, counter, rank, p):
         got = head(x)
         return {"delta": (got - x @ table.T).abs().max().item(), "shape": tuple(got.shape)}
 
-    for name, fn in [("column", column), ("column_gather", column_gather), ("row", row),
-                     ("row_full_input", row_full_input), ("embedding", embedding), ("lm_head", lm_head)]:  # fmt: skip
-        run(name, fn)
+    run("column", lambda: column(gather_output=False))
+    run("column_gather", lambda: column(gather_output=True))
+    run("row", lambda: row(input_is_parallel=True))
+    run("row_full_input", lambda: row(input_is_parallel=False))
+    run("embedding", embedding)
+    run("lm_head", lm_head)
     return out
 
 
@@ -259,6 +247,26 @@ def _close(per_rank, what, p):
         )
 
 
+def _layer_matches_nn(group, check, what, made=None):
+    """Every rank's output of layer `check` equals torch.nn's; with `made`, the collectives of more
+    than one rank were exactly those (and a single rank made none)."""
+    p = group[0]
+    per_rank = _results(group, "layers", check)
+    _close(per_rank, what, p)
+    if made is not None:
+        expected = made if p > 1 else {}
+        assert per_rank[0]["collectives"] == expected, f"TP={p}: expected {expected}, made {per_rank[0]['collectives']}"
+
+
+def _logits_equal_hf(group, name, key, what):
+    p, _, expected = group
+    for rank, res in enumerate(_results(group, "model", name)):
+        torch.testing.assert_close(
+            res[key], expected[name]["logits"], atol=1e-5, rtol=0,
+            msg=lambda m, rank=rank: f"TP={p} rank {rank}, config {name}, seed={SEED}: {what} differ from HF: {m}",
+        )  # fmt: skip
+
+
 def test_column_parallel_linear_keeps_its_slice_without_communication(group):
     p = group[0]
     per_rank = _results(group, "layers", "column")
@@ -271,55 +279,34 @@ def test_column_parallel_linear_keeps_its_slice_without_communication(group):
 
 
 def test_column_parallel_linear_gather_output_equals_nn_linear(group):
-    p = group[0]
-    per_rank = _results(group, "layers", "column_gather")
-    _close(per_rank, "ColumnParallelLinear(gather_output=True)", p)
-    expected = {"all_gather": 1} if p > 1 else {}
-    assert per_rank[0]["collectives"] == expected, f"TP={p}: expected {expected}, made {per_rank[0]['collectives']}"
+    _layer_matches_nn(group, "column_gather", "ColumnParallelLinear(gather_output=True)", made={"all_gather": 1})
 
 
 def test_row_parallel_linear_one_all_reduce_bias_once(group):
-    p = group[0]
-    per_rank = _results(group, "layers", "row")
-    _close(per_rank, "RowParallelLinear(input_is_parallel=True) with bias", p)
-    expected = {"all_reduce": 1} if p > 1 else {}
-    assert per_rank[0]["collectives"] == expected, f"TP={p}: expected {expected}, made {per_rank[0]['collectives']}"
+    _layer_matches_nn(group, "row", "RowParallelLinear(input_is_parallel=True) with bias", made={"all_reduce": 1})
 
 
 def test_row_parallel_linear_splits_a_full_input(group):
-    _close(_results(group, "layers", "row_full_input"), "RowParallelLinear(input_is_parallel=False)", group[0])
+    _layer_matches_nn(group, "row_full_input", "RowParallelLinear(input_is_parallel=False)")
 
 
 def test_vocab_parallel_embedding_equals_nn_embedding(group):
-    p = group[0]
-    per_rank = _results(group, "layers", "embedding")
-    _close(per_rank, "VocabParallelEmbedding (ids at both ends of every shard)", p)
-    expected = {"all_reduce": 1} if p > 1 else {}
-    assert per_rank[0]["collectives"] == expected, f"TP={p}: expected {expected}, made {per_rank[0]['collectives']}"
+    what = "VocabParallelEmbedding (ids at both ends of every shard)"
+    _layer_matches_nn(group, "embedding", what, made={"all_reduce": 1})
 
 
 def test_vocab_parallel_lm_head_gathers_full_logits(group):
-    _close(_results(group, "layers", "lm_head"), "vocab-parallel LM head logits", group[0])
+    _layer_matches_nn(group, "lm_head", "vocab-parallel LM head logits")
 
 
 @pytest.mark.parametrize("name", MODEL_CONFIGS)
 def test_tp_logits_equal_hf_llama(group, name):
-    p, _, expected = group
-    for rank, res in enumerate(_results(group, "model", name)):
-        torch.testing.assert_close(
-            res["logits"], expected[name]["logits"], atol=1e-5, rtol=0,
-            msg=lambda m, rank=rank: f"TP={p} rank {rank}, config {name}, seed={SEED}: logits differ from HF: {m}",
-        )  # fmt: skip
+    _logits_equal_hf(group, name, "logits", "logits")
 
 
 @pytest.mark.parametrize("name", MODEL_CONFIGS)
 def test_tp_cached_decode_equals_hf_llama(group, name):
-    p, _, expected = group
-    for rank, res in enumerate(_results(group, "model", name)):
-        torch.testing.assert_close(
-            res["cached_logits"], expected[name]["logits"], atol=1e-5, rtol=0,
-            msg=lambda m, rank=rank: f"TP={p} rank {rank}, {name}, seed={SEED}: prefill+decode differs from HF: {m}",
-        )  # fmt: skip
+    _logits_equal_hf(group, name, "cached_logits", "prefill+decode logits")
 
 
 @pytest.mark.parametrize("name", MODEL_CONFIGS)
@@ -331,12 +318,16 @@ def test_tp_greedy_generation_equals_hf(group, name):
         )
 
 
+def _local_kv_heads(c, p):
+    """KV heads one rank holds: its share, or one replicated head when they do not divide over the ranks."""
+    return c.num_key_value_heads // p if c.num_key_value_heads % p == 0 else 1
+
+
 def test_tp_kv_cache_holds_only_local_kv_heads(group):
     p, _, expected = group
     for name in MODEL_CONFIGS:
         c = expected[name]["config"]
-        local_kv = c.num_key_value_heads // p if c.num_key_value_heads % p == 0 else 1
-        shape = _results(group, "model", name)[0]["cache_shape"]
+        shape, local_kv = _results(group, "model", name)[0]["cache_shape"], _local_kv_heads(c, p)
         assert shape[1] == local_kv and shape[3] == c.head_dim, (
             f"TP={p}, {name}: cache k shape {shape}, expected {local_kv} local KV heads of dim {c.head_dim}"
         )
@@ -346,8 +337,7 @@ def test_each_rank_holds_one_shard_of_the_weights(group):
     p, _, expected = group
     for name in MODEL_CONFIGS:
         c = expected[name]["config"]
-        kv = c.num_key_value_heads // p if c.num_key_value_heads % p == 0 else 1
-        attn = c.hidden_size * c.head_dim * (2 * c.num_attention_heads // p + 2 * kv)
+        attn = c.hidden_size * c.head_dim * (2 * c.num_attention_heads // p + 2 * _local_kv_heads(c, p))
         mlp = 3 * c.hidden_size * c.intermediate_size // p
         norms = c.hidden_size * (2 * c.num_hidden_layers + 1)
         head = c.vocab_size * c.hidden_size // p * (1 if c.tie_word_embeddings else 2)
