@@ -107,6 +107,16 @@ def test_more_running_sequences_than_tokens_in_the_budget_wait_their_turn(impl):
             s.token_ids.append(5)
 
 
+def finish_step(sched, out, max_tokens: int) -> None:
+    """Finish a scheduled step the way the engine would, with a dummy token (5) for each sampled sequence."""
+    for s, n in zip(out.seqs, out.num_tokens, strict=True):
+        s.num_computed_tokens += n
+        if s.num_computed_tokens == s.num_tokens:
+            s.token_ids.append(5)
+            if len(s.output_token_ids) >= max_tokens:
+                sched.finish(s, "length")
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_scheduler_never_exceeds_its_budgets(impl, seed):
     model = make_model(seed)
@@ -122,13 +132,7 @@ def test_scheduler_never_exceeds_its_budgets(impl, seed):
         assert len(sched.running) <= 3, f"seed={seed}: {len(sched.running)} running, max_num_seqs is 3"
         for s, n in zip(out.seqs, out.num_tokens, strict=True):
             assert len(s.block_table) * 16 >= s.num_computed_tokens + n, f"seed={seed}: {s} lacks blocks for {n}"
-        # finish the step the way the engine would, with a dummy token
-        for s, n in zip(out.seqs, out.num_tokens, strict=True):
-            s.num_computed_tokens += n
-            if s.num_computed_tokens == s.num_tokens:
-                s.token_ids.append(5)
-                if len(s.output_token_ids) >= 10:
-                    sched.finish(s, "length")
+        finish_step(sched, out, max_tokens=10)
         steps += 1
     assert not engine.has_unfinished_requests(), f"seed={seed}: the scheduler stalled"
     assert engine.block_manager.num_used_blocks == 0, f"seed={seed}: blocks leaked"
@@ -157,12 +161,7 @@ def test_preemption_recomputes_from_the_front_and_admits_nobody_that_step(impl, 
             assert sched.waiting[0] is out.preempted[-1], f"seed={seed} step {step}: a victim goes to the queue's front"
             for v in out.preempted:
                 assert v.num_computed_tokens == 0 and v.block_table == [], f"seed={seed}: {v} must recompute from 0"
-        for s, n in zip(out.seqs, out.num_tokens, strict=True):
-            s.num_computed_tokens += n
-            if s.num_computed_tokens == s.num_tokens:
-                s.token_ids.append(5)
-                if len(s.output_token_ids) >= 12:
-                    sched.finish(s, "length")
+        finish_step(sched, out, max_tokens=12)
     assert preemptions, f"seed={seed}: 8 blocks of 4 cannot hold 4 sequences of up to 21 tokens: expected preemption"
     assert not sched.has_unfinished() and bm.num_used_blocks == 0, f"seed={seed}: stalled or leaked blocks"
 
