@@ -104,7 +104,7 @@ def forward_paged(
     c = model.config
     N = len(input_ids)
     x = model.model.embed_tokens(input_ids)  # (N, hidden)
-    cos, sin = model.rope_cos[positions], model.rope_sin[positions]  # (N, head_dim), from the model's tables
+    cos, sin = model.rope_cos[positions, None], model.rope_sin[positions, None]  # (N, 1, head_dim): one row a token
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
@@ -112,13 +112,14 @@ def forward_paged(
         k = attn.k_proj(h).view(N, c.num_key_value_heads, c.head_dim)
         v = attn.v_proj(h).view(N, c.num_key_value_heads, c.head_dim)
         q, k = attn.norm_qk(q, k)  # Qwen3's per-head RMSNorm; a no-op for the others
-        q, k = apply_rope(q, cos[:, None], sin[:, None]), apply_rope(k, cos[:, None], sin[:, None])  # (N, heads, D)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (N, heads, D)
         cache.write(i, k, v, slots)
         y = paged_attention(q, cache.k[i], cache.v[i], block_tables, context_lens, query_lens)
         x = x + attn.o_proj(y.reshape(N, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    last = torch.cumsum(query_lens, 0) - 1
-    return model.lm_head(model.model.norm(x[last])).float()
+    if N > len(query_lens):  # keep each sequence's last token; a pure decode step has only those
+        x = x[torch.cumsum(query_lens, 0) - 1]
+    return model.lm_head(model.model.norm(x)).float()
 
 
 def run_batch(model: Llama, cache: PagedKVCache, seqs: list[Sequence], num_tokens: list[int]) -> torch.Tensor:
