@@ -441,8 +441,8 @@ MUTANTS = [
     ),
     dict(
         file="engine.py",
-        find="    last = torch.cumsum(query_lens, 0) - 1",
-        replace="    last = torch.cumsum(query_lens, 0) - query_lens",
+        find="        x = x[torch.cumsum(query_lens, 0) - 1]",
+        replace="        x = x[torch.cumsum(query_lens, 0) - query_lens]",
         bug="logits taken at each sequence's first scheduled token",
     ),
     # async_engine.py (TODO functions submit, _loop, stream_events)
