@@ -142,8 +142,8 @@ def main(quick: bool = False) -> bench.Result:
     print(
         f"At 16, static batching runs {static_work['forward_passes']} forward passes over "
         f"{static_work['token_rows']} token rows, continuous batching {continuous_work['forward_passes']} over "
-        f"{continuous_work['token_rows']}: the time ratio falls between the two ratios, nearer the passes' "
-        "when a pass's fixed cost (its weights streamed, its ops dispatched) outweighs its rows."
+        f"{continuous_work['token_rows']}. The time ratio nears the passes' ratio when a pass's fixed cost "
+        "(its weights streamed, its ops dispatched) outweighs its rows' cost, the rows' ratio when the rows dominate."
     )
 
     prefix = prefix_cache_ttft(engine_mod, sequence, model, V, 4 if quick else 8)
