@@ -63,6 +63,17 @@ def random_labkit_llama(seed: int = 0, **overrides) -> Llama:
     return init_weights(Llama(Config(**kw)), seed=seed, std=0.08).float().eval()
 
 
+def with_random_biases(model: torch.nn.Module, seed: int = 0, std: float = 0.5) -> torch.nn.Module:
+    """Give every bias of `model` Normal(0, std) values, in place (init_weights zeroes them, which
+    would let code that drops a bias pass); returns the model."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
 def random_gpt2(seed: int = 0, **overrides):
     """A random-init transformers GPT2LMHeadModel in float32, eval mode, dropout off."""
     from transformers import GPT2Config, GPT2LMHeadModel

@@ -87,6 +87,6 @@ def gptq_quantize_model(
             for batch in inputs[name]:
                 h.add_batch(batch)
             codes, scales, zeros = gptq_quantize(linear.weight.float(), h.H, bits, group_size, act_order=act_order)
-            layer.set_submodule(name, QuantLinear.from_groupwise(codes, scales, zeros, bits))
+            layer.set_submodule(name, QuantLinear.from_groupwise(codes, scales, zeros, bits, linear.bias))
         x = layer(x, cos, sin, mask)
     return model

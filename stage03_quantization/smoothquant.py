@@ -27,7 +27,8 @@ def smoothing_scales(act_max: torch.Tensor, weights: list[torch.Tensor], alpha: 
 def fold_scale(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor) -> None:
     """Divide the output channels of `prev` by s and multiply the input columns of `linears` by s.
 
-    prev:    an RMSNorm (weight (in,)) or an nn.Linear (weight (in, *)) producing the linears' input
+    prev:    an RMSNorm (weight (in,)) or an nn.Linear (weight (in, *), and its bias (in,) if it has one)
+             producing the linears' input
     linears: nn.Linear with weight (*, in)
     The composed function is unchanged in exact arithmetic; only where the magnitude lives moves.
     """
@@ -36,16 +37,18 @@ def fold_scale(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor) -> No
 
 class W8A8Linear(nn.Module):
     """INT8 weights (per output channel) times INT8 activations (per token), the integer matmul
-    simulated exactly in float32, then one rank-1 rescale by the two scale vectors."""
+    simulated exactly in float32, then one rank-1 rescale by the two scale vectors, plus the float bias."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         codes, scale = quantize_int8(linear.weight.detach(), per_row=True)
         self.register_buffer("codes", codes)  # (out, in) int8
         self.register_buffer("scale", scale)  # (out, 1) float32
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())  # (out,) or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (..., in) float32 -> (..., out); activations are quantized per token on the fly."""
+        """x: (..., in) float32 -> (..., out); activations are quantized per token on the fly; the bias,
+        if any, is added in float."""
         raise NotImplementedError("stage03: W8A8Linear.forward — see lab.ipynb §7")
 
 

@@ -28,30 +28,36 @@ def smoothing_scales(act_max: torch.Tensor, weights: list[torch.Tensor], alpha: 
 def fold_scale(prev: nn.Module, linears: list[nn.Linear], s: torch.Tensor) -> None:
     """Divide the output channels of `prev` by s and multiply the input columns of `linears` by s.
 
-    prev:    an RMSNorm (weight (in,)) or an nn.Linear (weight (in, *)) producing the linears' input
+    prev:    an RMSNorm (weight (in,)) or an nn.Linear (weight (in, *), and its bias (in,) if it has one)
+             producing the linears' input
     linears: nn.Linear with weight (*, in)
     The composed function is unchanged in exact arithmetic; only where the magnitude lives moves.
     """
     prev.weight.div_(s.view(-1, *([1] * (prev.weight.dim() - 1))))
+    if getattr(prev, "bias", None) is not None:  # a Linear's bias is part of its output channels too
+        prev.bias.div_(s)
     for linear in linears:
         linear.weight.mul_(s)
 
 
 class W8A8Linear(nn.Module):
     """INT8 weights (per output channel) times INT8 activations (per token), the integer matmul
-    simulated exactly in float32, then one rank-1 rescale by the two scale vectors."""
+    simulated exactly in float32, then one rank-1 rescale by the two scale vectors, plus the float bias."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         codes, scale = quantize_int8(linear.weight.detach(), per_row=True)
         self.register_buffer("codes", codes)  # (out, in) int8
         self.register_buffer("scale", scale)  # (out, 1) float32
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())  # (out,) or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (..., in) float32 -> (..., out); activations are quantized per token on the fly."""
+        """x: (..., in) float32 -> (..., out); activations are quantized per token on the fly; the bias,
+        if any, is added in float."""
         x_codes, x_scale = quantize_int8(x, per_row=True)  # (..., in), (..., 1)
         acc = F.linear(x_codes.float(), self.codes.float())  # int8·int8 sums, exact in fp32 here
-        return acc * x_scale * self.scale.view(-1)
+        y = acc * x_scale * self.scale.view(-1)
+        return y if self.bias is None else y + self.bias
 
 
 def _smoothing_pairs(layer: nn.Module) -> dict[str, tuple[nn.Module, list[nn.Linear]]]:

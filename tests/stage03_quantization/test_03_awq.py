@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from labkit.testing import LLAMA_CONFIGS, random_labkit_llama, random_tokens
+from labkit.testing import LLAMA_CONFIGS, random_labkit_llama, random_tokens, with_random_biases
 
 MOD = "stage03_quantization.awq"
 SEEDS = [0, 1, 2]
@@ -60,9 +60,13 @@ def test_awq_search_keeps_the_first_alpha_on_a_tie(impl):
     torch.testing.assert_close(s, torch.ones(128), msg="equal channels give s = 1")
 
 
-@pytest.mark.parametrize("name", sorted(LLAMA_CONFIGS))
+# Qwen2-style biases on an MHA model, where AWQ also folds into Linears (v before o): their biases scale too.
+BIASED = {"mha-untied+biases": dict(LLAMA_CONFIGS["mha-untied"], attention_bias=True, o_proj_bias=True, mlp_bias=True)}
+
+
+@pytest.mark.parametrize("name", sorted(LLAMA_CONFIGS | BIASED))
 def test_awq_folded_model_has_the_same_logits(impl, name):
-    model = random_labkit_llama(7, **LLAMA_CONFIGS[name])
+    model = with_random_biases(random_labkit_llama(7, **(LLAMA_CONFIGS | BIASED)[name]), 7)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = random_tokens(7, 33, model.config.vocab_size, batch=2)
     with torch.no_grad():

@@ -174,3 +174,19 @@ def test_gptq_on_a_model_is_gptq_layer_by_layer_on_propagated_inputs(impl, seed,
             msg=f"seed={seed} act_order={act_order} {name}: differs from GPTQ applied layer by layer with the "
             "inputs propagated through the already-quantized layers",
         )  # fmt: skip
+
+
+def test_gptq_on_a_model_keeps_every_bias(impl):
+    from labkit.testing import random_tokens, with_random_biases
+
+    model = with_random_biases(random_labkit_llama(3, attention_bias=True, o_proj_bias=True, mlp_bias=True), 3)
+    biases = {n.removesuffix(".bias"): p.detach().clone() for n, p in model.named_parameters() if n.endswith(".bias")}
+    ids = random_tokens(3, 19, model.config.vocab_size, batch=2)
+    with torch.no_grad():
+        expected = model(ids)
+        impl(MOD).gptq_quantize_model(model, random_tokens(4, 40, model.config.vocab_size, batch=2), 8, 32)
+        got = model(ids)
+    for name, bias in biases.items():
+        assert torch.equal(model.get_submodule(name).bias, bias), f"{name}: GPTQ dropped or changed the bias"
+    rel = ((got - expected).norm() / expected.norm()).item()
+    assert rel < 0.02, f"INT8 GPTQ moved the biased model's logits by {rel:.3g}"

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from labkit.testing import LLAMA_CONFIGS, random_labkit_llama, random_tokens
+from labkit.testing import LLAMA_CONFIGS, random_labkit_llama, random_tokens, with_random_biases
 
 MOD = "stage03_quantization.quant_linear"
 SEEDS = [0, 1]
@@ -80,6 +80,25 @@ def test_quantize_model_swaps_every_linear_but_lm_head(impl, name):
     assert torch.equal(model.model.embed_tokens.weight, embed), f"{name}: the embedding must stay float"
     rel = ((got - expected).norm() / expected.norm()).item()
     assert 0 < rel < 0.02, f"{name}: INT8 logits should be close to float but not identical, rel. error {rel:.3g}"
+
+
+@pytest.mark.parametrize("method,seed", [("int8", 0), ("rtn", 1), ("nf4", 2)])
+def test_quantize_model_keeps_every_bias(impl, method, seed):
+    """Qwen2's q/k/v carry biases, and some models bias o_proj and the MLP too: quantizing the weight must not drop them."""
+    mod = impl(MOD)
+    model = with_random_biases(random_labkit_llama(seed, attention_bias=True, o_proj_bias=True, mlp_bias=True), seed)
+    with torch.no_grad():
+        biases = {n.removesuffix(".bias"): p.clone() for n, p in model.named_parameters() if n.endswith(".bias")}
+        ids = random_tokens(seed, 17, model.config.vocab_size, batch=2)
+        expected = model(ids)
+        mod.quantize_model(model, method, bits=8, group_size=16)
+        got = model(ids)
+    for name, bias in biases.items():
+        kept = model.get_submodule(name).bias
+        assert kept is not None and torch.equal(kept, bias), f"{method}: {name} lost its bias (pass module.bias on)"
+    rel = ((got - expected).norm() / expected.norm()).item()
+    limit = 0.1 if method == "nf4" else 0.02
+    assert rel < limit, f"{method}: logits of the biased model moved by {rel:.3g} (more than rounding explains)"
 
 
 @pytest.mark.parametrize("bits,group_size", [(3, 16), (8, 32)])

@@ -49,9 +49,10 @@ def test_smoothing_scales_formula(impl, seed, alpha):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_fold_scale_keeps_the_function(impl, seed):
     norm, linears, x = outlier_block(seed)
-    prev = nn.Linear(128, 128, bias=False)  # a Linear before the Linears works the same way
+    prev = nn.Linear(128, 128)  # a Linear before the Linears works the same way, bias included
     with torch.no_grad():
         prev.weight.normal_(generator=torch.Generator().manual_seed(seed))
+        prev.bias.normal_(generator=torch.Generator().manual_seed(seed + 10))
         expected = [lin(norm(x)) for lin in linears] + [lin(prev(x)) for lin in linears]
         s = torch.rand(128, generator=torch.Generator().manual_seed(seed)) * 4 + 0.1
         n2, p2, l2, l3 = copy.deepcopy(norm), copy.deepcopy(prev), copy.deepcopy(linears), copy.deepcopy(linears)
@@ -60,7 +61,9 @@ def test_fold_scale_keeps_the_function(impl, seed):
         got = [lin(n2(x)) for lin in l2] + [lin(p2(x)) for lin in l3]
     assert not torch.equal(n2.weight, norm.weight), f"seed={seed}: the norm weight should have been divided by s"
     for e, o in zip(expected, got, strict=True):
-        torch.testing.assert_close(o, e, atol=1e-4, rtol=1e-4, msg=f"seed={seed}: folding changed the output")
+        torch.testing.assert_close(
+            o, e, atol=1e-4, rtol=1e-4, msg=f"seed={seed}: folding changed the output (a Linear's bias scales too)"
+        )
 
 
 @pytest.mark.parametrize("name", sorted(LLAMA_CONFIGS))
@@ -84,6 +87,14 @@ def test_w8a8_linear_quantizes_tokens_and_channels(impl, seed):
     expected = int8_rows(x) @ int8_rows(linear.weight.detach()).T  # per token × per output channel
     torch.testing.assert_close(
         got, expected, atol=1e-5, rtol=1e-4, msg=f"seed={seed}: not per-token × per-channel INT8"
+    )
+    biased = nn.Linear(128, 96)
+    with torch.no_grad():
+        biased.weight.copy_(linear.weight)
+        biased.bias.normal_(generator=torch.Generator().manual_seed(seed))
+        got = impl(MOD).W8A8Linear(biased)(x)
+    torch.testing.assert_close(
+        got, expected + biased.bias, atol=1e-5, rtol=1e-4, msg=f"seed={seed}: the float bias is added after the rescale"
     )
 
 

@@ -221,21 +221,27 @@ MUTANTS = [
     ),
     dict(
         file="quant_linear.py",
-        find="if isinstance(module, nn.Linear) and not name.endswith(skip):\n            model.set_submodule(name, QuantLinear.from_weight(module.weight, method, bits, group_size))",
-        replace="if isinstance(module, nn.Linear):\n            model.set_submodule(name, QuantLinear.from_weight(module.weight, method, bits, group_size))",
+        find="if isinstance(module, nn.Linear) and not name.endswith(skip):\n            model.set_submodule(name, QuantLinear.from_weight(module.weight, method, bits, group_size, module.bias))",
+        replace="if isinstance(module, nn.Linear):\n            model.set_submodule(name, QuantLinear.from_weight(module.weight, method, bits, group_size, module.bias))",
         bug="quantize_model ignores skip (quantizes lm_head)",
     ),
     dict(
         file="quant_linear.py",
-        find="model.set_submodule(name, QuantLinear.from_weight(module.weight, method, bits, group_size))",
-        replace="model.set_submodule(name, QuantLinear.from_weight(module.weight, method, 4, group_size))",
+        find="model.set_submodule(name, QuantLinear.from_weight(module.weight, method, bits, group_size, module.bias))",
+        replace="model.set_submodule(name, QuantLinear.from_weight(module.weight, method, 4, group_size, module.bias))",
         bug="quantize_model hard-codes bits = 4",
     ),
     dict(
         file="quant_linear.py",
-        find="model.set_submodule(name, QuantLinear.from_weight(module.weight, method, bits, group_size))",
-        replace="model.set_submodule(name, QuantLinear.from_weight(module.weight, method, bits))",
+        find="model.set_submodule(name, QuantLinear.from_weight(module.weight, method, bits, group_size, module.bias))",
+        replace="model.set_submodule(name, QuantLinear.from_weight(module.weight, method, bits, bias=module.bias))",
         bug="quantize_model ignores group_size",
+    ),
+    dict(
+        file="quant_linear.py",
+        find="model.set_submodule(name, QuantLinear.from_weight(module.weight, method, bits, group_size, module.bias))",
+        replace="model.set_submodule(name, QuantLinear.from_weight(module.weight, method, bits, group_size))",
+        bug="quantize_model drops each Linear's bias",
     ),
     # gptq.py
     dict(
@@ -436,8 +442,20 @@ MUTANTS = [
     ),
     dict(
         file="smoothquant.py",
-        find="return acc * x_scale * self.scale.view(-1)",
-        replace="return acc * self.scale.view(-1)",
+        find='    if getattr(prev, "bias", None) is not None:  # a Linear\'s bias is part of its output channels too\n        prev.bias.div_(s)\n',
+        replace="",
+        bug="fold_scale leaves a Linear's bias unscaled",
+    ),
+    dict(
+        file="smoothquant.py",
+        find="        return y if self.bias is None else y + self.bias",
+        replace="        return y",
+        bug="W8A8Linear.forward drops the bias",
+    ),
+    dict(
+        file="smoothquant.py",
+        find="y = acc * x_scale * self.scale.view(-1)",
+        replace="y = acc * self.scale.view(-1)",
         bug="W8A8Linear.forward forgets the activation scale",
     ),
     dict(
