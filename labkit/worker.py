@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from . import ROOT
+from .device import has_gpu
 
 ACTIVE = False  # in the test process of a graded run: stage modules load in the worker
 OPS = {
@@ -371,11 +372,11 @@ def _from_array(tag: str, rest: list):
             raise WorkerError("the worker sent a tensor of no torch dtype")
         raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
         tensor = raw.view(kind).as_strided(shape, stride)
-        if device != "cpu" and torch.cuda.is_available():
+        if device != "cpu" and has_gpu():
             tensor = tensor.to(device)
         return tensor.requires_grad_(requires_grad) if kind.is_floating_point else tensor
     if tag == "generator":
-        generator = torch.Generator(rest[0] if torch.cuda.is_available() else "cpu")
+        generator = torch.Generator(rest[0] if has_gpu() else "cpu")
         generator.set_state(torch.frombuffer(bytearray(rest[1]), dtype=torch.uint8))
         return generator
     if tag == "dtype":

@@ -17,6 +17,7 @@ import jsonschema
 import torch
 
 from labkit import bench, plot
+from labkit.device import pin_threads
 from labkit.impl import load
 
 SCHEMA = {
@@ -98,7 +99,7 @@ def validity(model, tok, n: int) -> dict:
 
 
 def main(quick: bool = False) -> bench.Result:
-    torch.set_num_threads(1)
+    pin_threads(1)
     model, label = bench.model()
     tok = bench.tokenizer()
     repeats, n = (5, 8) if quick else (21, 32)

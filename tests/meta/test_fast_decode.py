@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from labkit import checkpoint
+from labkit.device import has_gpu
 from labkit.fast_decode import StaticDecoder
 from labkit.model import Config, Llama, init_weights
 from labkit.testing import LLAMA_CONFIGS, labkit_from_hf, random_llama, random_tokens
@@ -59,7 +60,7 @@ def test_clear_errors():
     cache = model.new_cache(1, 4)
     with pytest.raises(ValueError, match="choose one of"):
         StaticDecoder(model, cache, "fast")
-    if not torch.cuda.is_available():
+    if not has_gpu():
         with pytest.raises(ValueError, match="GPU"):
             StaticDecoder(model, cache, "cudagraph")
     decoder = StaticDecoder(model, cache, "eager")

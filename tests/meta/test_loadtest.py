@@ -5,10 +5,10 @@ no KV block in use and the server still serving. Bounded: 48 requests, a few sec
 import asyncio
 
 import pytest
-import torch
 
 from labkit import ROOT, TARGET, impl
 from labkit.checkpoint import load_tokenizer
+from labkit.device import pin_threads
 from labkit.loadtest import chaos, fail_on_marker, main, serving
 from labkit.testing import random_labkit_llama
 
@@ -26,11 +26,8 @@ def reference_server():
     engine = impl.load("stage04_batching.engine", impl="solution").LLMEngine(model, tokenizer, num_blocks=256)
     engine.fault_hook = fail_on_marker(tokenizer)
     app = impl.load("stage04_batching.api_server", impl="solution").create_app(engine, tokenizer, max_waiting=256)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with serving(app) as url:
+    with pin_threads(1), serving(app) as url:
         yield url, engine
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -10,6 +10,7 @@ import torch
 import labkit
 from labkit.calibration import calibration_windows
 from labkit.checkpoint import load_tokenizer
+from labkit.device import pin_threads
 from labkit.model import from_pretrained
 from labkit.quality import heldout, perplexity
 
@@ -30,14 +31,12 @@ METHODS = {
 
 @pytest.fixture(scope="module")
 def target():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # module fixtures run before the per-test one_thread fixture
-    tokenizer = load_tokenizer(labkit.TARGET)
-    model = from_pretrained(labkit.TARGET)
-    windows = heldout(tokenizer, n_tokens=1024, seq=512)  # 2 held-out windows
-    calib = calibration_windows(tokenizer, n_windows=2, seq=128)  # from the training split
-    yield model, windows, calib, perplexity(model, windows)
-    torch.set_num_threads(threads)
+    with pin_threads(1):  # module fixtures run before the per-test one_thread fixture
+        tokenizer = load_tokenizer(labkit.TARGET)
+        model = from_pretrained(labkit.TARGET)
+        windows = heldout(tokenizer, n_tokens=1024, seq=512)  # 2 held-out windows
+        calib = calibration_windows(tokenizer, n_windows=2, seq=128)  # from the training split
+        yield model, windows, calib, perplexity(model, windows)
 
 
 @pytest.mark.slow
