@@ -114,6 +114,8 @@ def main(quick: bool = False) -> bench.Result:
 
     # The headline ratios again, as medians of interleaved repeats: one pass of the sweep above is
     # a single sample, and at concurrency 1 the engine and the plain loop differ by a few percent.
+    # Five rounds after an untimed one: the static ratio read 1.22x to 1.39x in runs of 3 to 9 rounds
+    # made minutes apart on one quiet machine (23 November), so three rounds are too few.
     def engine(c):
         return lambda: engine_mod.LLMEngine(model, num_blocks=1024, max_num_seqs=c).generate(prompts, params)
 
@@ -124,8 +126,8 @@ def main(quick: bool = False) -> bench.Result:
             "continuous 16": engine(16),
             "static 16": lambda: baselines.static_batching(model, prompts, max_tokens, 16),
         },
-        repeats=1 if quick else 3,
-        warmup=0,
+        repeats=1 if quick else 5,
+        warmup=0 if quick else 1,
     )
     # Why the static ratio is what it is: the work each does, counted (not timed) on the same requests.
     static_work = forward_work(lambda: baselines.static_batching(model, prompts, max_tokens, 16), engine_mod, baselines)
