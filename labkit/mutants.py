@@ -1,16 +1,16 @@
 """`make mutants [STAGE=NN]`: how many realistic learner bugs each stage's graded tests catch.
 
-The catalogue lives in tests/meta/mutants/stageNN.py: a list MUTANTS of
+The catalogue lives in tests/meta/mutants/stageNN.py (a part 2 row such as 02b: stage02b.py): a list MUTANTS of
     dict(file=..., find=..., replace=..., bug=...[, equivalent="why no test can tell"])
 where `file` is under the stage's solutions folder and `find` occurs in it exactly once.
 
 For each mutant the runner writes that one edit into a private copy of the course, runs the
-stage's graded tests on the solution (`-x`, the test files that import the mutated module
-first, slow files last) and counts the mutant caught if any test fails or the run times out.
+row's graded tests on the solution (`-x`; test_NNb_* for a part 2 row, the others for part 1;
+the test files that import the mutated module first, slow files last) and counts the mutant caught if any test fails or the run times out.
 It prints caught/planted per stage and every survivor with its description. Mutants marked
 `equivalent` change no observable behaviour; they are listed, not run, and not counted.
 
-    python -m labkit.mutants [--stage 04] [--sample 2] [--jobs 2] [--check]
+    python -m labkit.mutants [--stage 04] [--stage 04b] [--sample 2] [--jobs 2] [--check]
 """
 
 import argparse
@@ -35,7 +35,8 @@ from . import ROOT, STAGES, triton_interpret
 from .junit import _cases
 
 CATALOGUE = ROOT / "tests" / "meta" / "mutants"
-PART_ONE = ("01", "02", "03", "04", "05", "06", "07")
+ROWS = tuple(STAGES)  # 01, 02, 02b, ...: a part 2 row has a catalogue of its own
+MIN_MUTANTS = {"part 1": 25, "part 2": 15}  # part 2 rows have fewer TODOs
 # Files that take tens of seconds whatever the mutant (process groups, AOT compiles): run them last.
 _SLOW_FILE = re.compile(r"pytestmark\s*=.*\b(dist|slow|gpu)\b")
 _TODO = re.compile(r'(raise NotImplementedError\(|tl\.static_assert\(False,)\s*f?"stage\d\d')
@@ -66,14 +67,19 @@ def load(stage: str) -> list[Mutant]:
     return [Mutant(stage, i, **entry) for i, entry in enumerate(namespace["MUTANTS"], 1)]
 
 
+def part_two(stage: str) -> bool:
+    return not stage.isdigit()
+
+
 def todo_functions(stage: str) -> dict[str, list[str]]:
-    """{file: [qualified names]} of every skeleton function that holds a TODO (the innermost one)."""
+    """{file: [qualified names]} of every skeleton function of this row that holds a TODO (the innermost
+    one); a part 2 TODO points at lab2.ipynb or lab3.ipynb, a part 1 TODO at lab.ipynb."""
     todos: dict[str, list[str]] = {}
     for path in sorted((ROOT / STAGES[stage][0]).glob("*.py")):
         text = path.read_text()
         funcs = list(_functions(ast.parse(text)))
         for lineno, line in enumerate(text.splitlines(), 1):
-            if not _TODO.search(line) or re.search(r"lab\d\.ipynb", line):  # part 2 has no catalogue yet
+            if not _TODO.search(line) or bool(re.search(r"lab\d\.ipynb", line)) != part_two(stage):
                 continue
             around = [(n.end_lineno - n.lineno, q) for q, n in funcs if n.lineno <= lineno <= n.end_lineno]
             if around:
@@ -122,8 +128,9 @@ def validate(stage: str, mutants: list[Mutant]) -> list[str]:
         for qual in quals:
             if (file, qual) not in hit:
                 problems.append(f"stage {stage}: no mutant inside the TODO function {file}:{qual}")
-    if len(mutants) < 25:
-        problems.append(f"stage {stage}: {len(mutants)} mutants; the course promises at least 25 per stage")
+    least = MIN_MUTANTS["part 2" if part_two(stage) else "part 1"]
+    if len(mutants) < least:
+        problems.append(f"stage {stage}: {len(mutants)} mutants; the course promises at least {least} per row")
     return problems
 
 
@@ -132,7 +139,7 @@ def test_files(stage: str, mutant: Mutant) -> list[str]:
     folder = STAGES[stage][0]
     module = f"{folder}.{mutant.file.removesuffix('.py')}"
     files = sorted((ROOT / "tests" / folder).glob("test_*.py"))
-    files = [f for f in files if not re.match(r"test_\d\db_", f.name)]  # part 2 rows are graded apart
+    files = [f for f in files if bool(re.match(rf"test_{stage[:2]}b_", f.name)) == part_two(stage)]
 
     def rank(f: Path):
         text = f.read_text()
@@ -278,7 +285,7 @@ class Workspace:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", action="append", help="stage number (repeatable); default: stages 01-07")
+    ap.add_argument("--stage", action="append", help="row (repeatable), e.g. 04 or 04b; default: every row")
     ap.add_argument("--sample", type=int, default=0, help="a fixed, seeded sample of K mutants per stage")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants run at once")
     ap.add_argument("--timeout", type=float, default=420.0, help="seconds per mutant; a timeout counts as caught")
@@ -288,7 +295,7 @@ def main(argv=None) -> int:
     ap.add_argument("--include-equivalent", action="store_true", help="run the documented equivalents too")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the cleanup below on a plain kill too
-    stages = [s.zfill(2) for s in args.stage] if args.stage else list(PART_ONE)
+    stages = [s.zfill(2) if s.isdigit() else s for s in args.stage] if args.stage else list(ROWS)
 
     catalogue, problems = {}, []
     for s in stages:

@@ -202,8 +202,9 @@ def test_02b_absorbed_decode_never_builds_per_head_kv(impl, name):
 def test_02b_memory_math_deepseek_v3_against_llama3_70b(impl):
     """Exact bytes per token, bf16. DeepSeek-V3 (DeepseekV3Config's defaults are its real shape):
     61 layers, 128 heads, kv_lora_rank 512, rope 64, nope 128, v 128. Llama-3-70B: 80 layers,
-    64 query heads, 8 KV heads, head_dim 128; the same shape with 64 KV heads (MHA) or 1 (MQA)."""
-    from transformers import DeepseekV3Config, LlamaConfig
+    64 query heads, 8 KV heads, head_dim 128; the same shape with 64 KV heads (MHA) or 1 (MQA).
+    Qwen3-4B: 36 layers, 32 query heads, 8 KV heads, head_dim 128 on a hidden size of 2560."""
+    from transformers import DeepseekV3Config, LlamaConfig, Qwen3Config
 
     mla = impl(MLA)
     v3 = DeepseekV3Config()
@@ -221,6 +222,10 @@ def test_02b_memory_math_deepseek_v3_against_llama3_70b(impl):
     assert mla.kv_bytes_per_token(llama70b(8)) == 2 * 80 * 8 * 128 * 2 == 327_680, "GQA: Llama-3-70B's 8 KV heads"
     assert mla.kv_bytes_per_token(llama70b(1)) == 2 * 80 * 1 * 128 * 2 == 40_960, "MQA: one KV head"
     assert mla.kv_bytes_per_token(llama70b(8), dtype_bytes=4) == 655_360
+    qwen3_4b = Qwen3Config(  # head_dim 128 although hidden_size / heads = 80: read config.head_dim
+        hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128
+    )
+    assert mla.kv_bytes_per_token(qwen3_4b) == 2 * 36 * 8 * 128 * 2 == 147_456, "Qwen3-4B: head_dim != hidden / heads"
 
     lite = DeepseekV3Config(num_hidden_layers=27, num_attention_heads=16, q_lora_rank=None)  # V2-Lite's attention
     assert mla.kv_bytes_per_token(lite) == 27 * 576 * 2 == 31_104

@@ -31,8 +31,8 @@ def h2o_victim(n_recent):
 @torch.no_grad()
 def brute_force(model: Llama, ids: torch.Tensor, budget: int, victim):
     """Keep every token's pre-RoPE K and V; at step t attend over a mask of the tokens the policy
-    still keeps (plus t), rotated by their rank among them. Returns logits (T, vocab) and the kept
-    positions of each layer at the end."""
+    still keeps (plus t), rotated by their rank among them. Returns logits (T, vocab), the kept
+    positions of each layer at the end and each layer's accumulated score {position: attention}."""
     c = model.config
     T = ids.shape[1]
     K = [torch.zeros(c.num_key_value_heads, T, c.head_dim) for _ in model.model.layers]
@@ -69,7 +69,7 @@ def brute_force(model: Llama, ids: torch.Tensor, budget: int, victim):
             x = x + a.o_proj(y)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         out.append(model.lm_head(model.model.norm(x))[0, 0])
-    return torch.stack(out), kept
+    return torch.stack(out), kept, score
 
 
 CASES = [  # seed, model, budget, policy, argument
@@ -89,7 +89,7 @@ def test_02b_streaming_cache_equals_brute_force_mask(impl, seed, name, budget, p
     mod = impl(SINKS)
     cache = mod.StreamingCache(model.config, budget, mod.SinkWindow(arg) if policy == "sinks" else mod.H2O(arg))
     got = mod.forward_streaming(model, ids, cache)
-    expected, kept = brute_force(model, ids, budget, sink_victim(arg) if policy == "sinks" else h2o_victim(arg))
+    expected, kept, score = brute_force(model, ids, budget, sink_victim(arg) if policy == "sinks" else h2o_victim(arg))
     where = f"seed={seed} model={name} budget={budget} {policy}({arg})"
     torch.testing.assert_close(
         got[0], expected, atol=1e-4, rtol=1e-4, msg=f"{where}: logits differ from the brute force"
@@ -97,6 +97,12 @@ def test_02b_streaming_cache_equals_brute_force_mask(impl, seed, name, budget, p
     for i, layer in enumerate(cache.layers):
         assert set(layer.pos.tolist()) == kept[i], (
             f"{where}: layer {i} keeps {sorted(layer.pos.tolist())}, not {sorted(kept[i])}"
+        )
+        # H2O's statistic: each kept token's softmax weight summed over query heads and every step since it came
+        got_score = {int(p): float(s) for p, s in zip(layer.pos, layer.score, strict=True)}
+        want_score = {p: score[i][p] for p in kept[i]}
+        torch.testing.assert_close(
+            got_score, want_score, atol=1e-4, rtol=1e-4, msg=f"{where}: layer {i} accumulated scores by position"
         )
 
 

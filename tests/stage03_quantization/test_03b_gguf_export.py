@@ -95,6 +95,12 @@ def test_03b_tensor_type_follows_llamacpp_mixes(impl, n_layer, has_output):
     assert tensor_type("blk.0.attn_q.weight", (64, 320), "Q4_K_M", n_layer) == "F32", (
         "a row of 320 is not a whole number of 256-weight super-blocks: that tensor must stay F32"
     )
+    for shape, mix, want in (((320, 512), "Q4_K_M", "Q4_K"), ((40, 64), "Q4_0", "Q4_0"), ((64, 48), "Q8_0", "F32")):
+        got = tensor_type("blk.0.attn_q.weight", shape, mix, n_layer)
+        assert got == want, (
+            f"{mix}: a (rows, cols) = {shape} matrix should be {want}, got {got}; blocks run along a row, "
+            "so the row length (cols, the last dimension) must be a multiple of the block, whatever the row count"
+        )
 
 
 def reference_tensors() -> dict[str, np.ndarray]:

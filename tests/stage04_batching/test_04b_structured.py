@@ -95,6 +95,17 @@ def test_token_bytes_invert_byte_level_bpe(impl, vocab_size):
     assert b"".join(table[i] for i in ids) == text.encode(), "the bytes of an encoding are the text's UTF-8 bytes"
 
 
+def test_token_bytes_refuses_a_tokenizer_that_is_not_byte_level(impl):
+    """A SentencePiece-style vocabulary ('▁hello') is not written in GPT-2's byte alphabet: a ValueError
+    naming the token, not a KeyError from deep inside."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    tok = Tokenizer(WordLevel({"a": 0, "Ġb": 1, "\u2581hello": 2}, unk_token="a"))
+    with pytest.raises(ValueError, match="hello"):
+        impl("stage04_batching.structured").token_bytes(tok, 3)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_token_index_equals_brute_force_on_random_vocabularies(impl, seed):
     rng = random.Random(seed)
@@ -110,6 +121,7 @@ def test_token_index_equals_brute_force_on_random_vocabularies(impl, seed):
         f"token bytes={vocab[int(bad[0][1])]!r}, want {bool(allowed[tuple(bad[0])])}"
     )
     assert torch.equal(index.next_state[allowed], nxt[allowed]), f"seed={seed} pattern={pattern!r}: next states"
+    assert torch.equal(index.next_state, nxt), f"seed={seed} pattern={pattern!r}: next_state is -1 where not allowed"
     assert index.initial == dfa.initial, f"seed={seed}"
 
 
@@ -306,6 +318,71 @@ def test_schema_regex_rejects_values_outside_the_schema(impl, seed):
         assert dfa.walk(dfa.initial, text.encode()) not in dfa.accepting, f"seed={seed}: {what} accepted: {text}"
     missing = json.dumps({k: v for k, v in valid.items() if k != "i"})
     assert dfa.walk(dfa.initial, missing.encode()) not in dfa.accepting, f"seed={seed}: a required key is missing"
+
+
+def accepts(dfa, text: str) -> bool:
+    return dfa.walk(dfa.initial, text.encode()) in dfa.accepting
+
+
+SCHEMA_CASES = {
+    "const": ({"const": "a.b+"}, ['"a.b+"'], ['"aXbb"', '"a.b"', "1"]),
+    "const-object": ({"const": {"k": [1, "x"]}}, ['{"k": [1, "x"]}'], ['{"k": [1]}', '{"k": 1}']),
+    "names-with-metacharacters": (
+        {"type": "object", "properties": {"a.b": {"type": "integer"}, "c+": {"type": "boolean"}}, "required": ["a.b"]},
+        ['{"a.b": 1, "c+": true}', '{"a.b":-3,"c+":false}'],
+        ['{"aXb": 1, "c+": true}', '{"a.b": 1, "cc": true}'],
+    ),
+    "max-items-0": ({"type": "array", "items": {"type": "integer"}, "maxItems": 0}, ["[]"], ["[1]", "[1, 2]"]),
+    "no-type": (
+        {"description": "anything"},
+        ["1", "-2.5", '"s"', "null", "true", "[1, 2]", '{"a": [1]}', "[]"],
+        ["{", "tru", '"'],
+    ),
+    "object-without-properties": ({"type": "object"}, ["{}", '{"a": 1}', '{"a": {"b": true}}'], ["1", '"s"', "[]"]),
+}
+
+
+@pytest.mark.parametrize("case", list(SCHEMA_CASES))
+def test_schema_regex_const_escaping_empty_arrays_and_untyped_schemas(impl, case):
+    """Literals are escaped (a '.' or '+' in a const or a key is that character), maxItems 0 allows only [],
+    no type means any JSON value and an object without properties any object; jsonschema agrees on every text."""
+    schema, good, bad = SCHEMA_CASES[case]
+    for text in good:
+        jsonschema.validate(json.loads(text), schema)  # the case itself is right
+    dfa = compile_regex(impl("stage04_batching.structured").schema_to_regex(schema))
+    for text in good:
+        assert accepts(dfa, text), f"{case}: {text} is valid against {schema} but rejected"
+    for text in bad:
+        assert not accepts(dfa, text), f"{case}: {text} is not valid against {schema} but accepted"
+    rng = random.Random(0)
+    for i in range(50):
+        data = random_match(dfa, rng)
+        try:
+            jsonschema.validate(json.loads(data), schema)
+        except (ValueError, jsonschema.ValidationError) as e:
+            raise AssertionError(f"{case} sample {i}: {data!r} matches the regex but {e}") from None
+
+
+def test_a_required_key_without_a_property_is_never_silently_dropped(impl):
+    """`required` names a key the properties do not define: no emitted object can hold it, so the regex must
+    match nothing jsonschema rejects; refusing the schema (UnsupportedSchema) is the honest answer."""
+    structured = impl("stage04_batching.structured")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "zz"]}
+    try:
+        pattern = structured.schema_to_regex(schema)
+    except structured.UnsupportedSchema:
+        return
+    try:
+        dfa = compile_regex(pattern)
+    except ValueError:
+        return  # a regex that matches nothing at all
+    rng = random.Random(0)
+    for i in range(20):
+        data = random_match(dfa, rng)
+        try:
+            jsonschema.validate(json.loads(data), schema)
+        except (ValueError, jsonschema.ValidationError) as e:
+            raise AssertionError(f"sample {i}: {data!r} matches the regex but {e}") from None
 
 
 @pytest.mark.parametrize(

@@ -138,6 +138,60 @@ def test_verify_batch_sampled_accepts_sure_drafts_and_rejects_impossible_ones(im
     assert problem is None, f"seed={seed}: after sampled verification, {problem}"
 
 
+def speculative_step_ref(p: torch.Tensor, q: torch.Tensor, drafted: list[int], gen: torch.Generator) -> list[int]:
+    """Algorithm 1 of Leviathan et al. written out: k uniforms, the leading run of u < p/q, then one
+    draw from p[k] or from norm(max(0, p[n] - q[n])), every draw from `gen` in the documented order."""
+    k = len(drafted)
+    u = torch.rand(k, generator=gen)
+    n = 0
+    while n < k and u[n] < p[n, drafted[n]] / q[n, drafted[n]]:
+        n += 1
+    if n == k:
+        dist = p[k]
+    else:
+        residual = (p[n] - q[n]).clamp(min=0.0)
+        dist = residual / residual.sum() if residual.sum() > 0 else p[n]
+    return drafted[:n] + [int(torch.multinomial(dist, 1, generator=gen))]
+
+
+@pytest.mark.parametrize(
+    ("config", "seed", "block_size", "T", "top_p"), [("gqa2-tied", 0, 4, 0.9, 0.9), ("mqa-odd", 1, 3, 1.3, 1.0)]
+)
+def test_verify_batch_sampled_makes_the_documented_draws_from_the_generator(impl, config, seed, block_size, T, top_p):
+    """Same generator, same draws: per sequence in order, k uniforms then one token, from p = the
+    target's warped distribution and the residual after a rejection; over three steps."""
+    m = impl(VERIFY)
+    target, draft = close_pair(config, seed, noise=0.5)  # a farther draft: some drafts get rejected
+    store, ids, tokens = ragged_batch(target, seed, block_size)
+    g = torch.Generator().manual_seed(seed + 50)
+    gen, gen_ref = torch.Generator().manual_seed(seed + 7), torch.Generator().manual_seed(seed + 7)
+    rejected = accepted = 0
+    for step in range(3):
+        drafts, qs, expected = [], [], []
+        for toks in tokens:
+            k = int(torch.randint(0, 5, (1,), generator=g))
+            drafted, q = [], []
+            with torch.no_grad():
+                for _ in range(k):
+                    q.append(warp_ref(draft(torch.tensor([toks + drafted]))[0, -1].float(), T, top_p))
+                    drafted.append(int(torch.multinomial(q[-1], 1, generator=g)))
+                p = warp_ref(target(torch.tensor([toks + drafted]))[0, len(toks) - 1 :].float(), T, top_p)
+            q = torch.stack(q) if q else torch.zeros(0, p.shape[-1])
+            drafts.append(drafted)
+            qs.append(q)
+            expected.append(speculative_step_ref(p, q, drafted, gen_ref))
+            accepted += len(expected[-1]) - 1
+            rejected += len(expected[-1]) - 1 < k
+        new = m.verify_batch(target, store, ids, tokens, drafts, qs, T, top_p, gen)
+        for i in range(4):
+            assert new[i] == expected[i], (
+                f"seed={seed} step {step} sequence {i} (drafts {drafts[i]}): got {new[i]}, expected {expected[i]} "
+                f"(k uniforms then one draw per sequence, in order, all from the generator)"
+            )
+        tokens = [t + e for t, e in zip(tokens, expected, strict=True)]
+    assert accepted and rejected, f"seed={seed}: the case should both accept and reject drafts ({accepted}, {rejected})"
+
+
 class LinearCosts:
     """A cost model in the test: each forward costs fixed + per_token * tokens read."""
 

@@ -1,0 +1,310 @@
+"""Stage 04 part 2 learner bugs (structured output, multi-LoRA), one edit each, planted in
+solutions/stage04_batching (see labkit/mutants.py)."""
+
+MUTANTS = [
+    # lora.py: bgmv
+    dict(
+        file="lora.py",
+        find="        if s < 0:\n            continue  # base-model tokens get no LoRA term\n",
+        replace="",
+        bug="bgmv gives base-model tokens (index -1) the last slot's adapter",
+    ),
+    dict(
+        file="lora.py",
+        find="out[rows] = (x[rows] @ lora_a[s].T) @ lora_b[s].T * scaling[s]",
+        replace="out[rows] = (x[rows] @ lora_a[s].T) @ lora_b[s].T",
+        bug="bgmv forgets the LoRA scaling (lora_alpha / r)",
+    ),
+    dict(
+        file="lora.py",
+        find="out[rows] = (x[rows] @ lora_a[s].T) @ lora_b[s].T * scaling[s]",
+        replace="out[rows] = (x[rows] @ lora_a[s].T) @ lora_b[s].T * scaling[0]",
+        bug="bgmv scales every token by slot 0's scaling",
+    ),
+    dict(
+        file="lora.py",
+        find="out[rows] = (x[rows] @ lora_a[s].T) @ lora_b[s].T * scaling[s]",
+        replace="out[rows] = x[rows] @ (lora_b[s] @ lora_a[s]).T * scaling[s]",
+        bug="bgmv builds the merged (d_out, d_in) delta B A instead of two thin matmuls",
+    ),
+    dict(
+        file="lora.py",
+        find="        if s < 0:\n            continue",
+        replace="        if s <= 0:\n            continue",
+        bug="bgmv treats slot 0 as 'no adapter' (off by one in the base-model check)",
+    ),
+    dict(
+        file="lora.py",
+        find="        rows = indices == s\n",
+        replace="        rows = indices >= s\n",
+        bug="bgmv selects the tokens of slot s and every later slot",
+        equivalent="indices.unique() is sorted, so every later slot's loop overwrites the rows this one got wrong",
+    ),
+    # lora.py: AdapterRegistry.acquire
+    dict(
+        file="lora.py",
+        find="victim = next((n for n in self.slots if self.pins.get(n, 0) == 0), None)",
+        replace="victim = next((n for n in reversed(self.slots) if self.pins.get(n, 0) == 0), None)",
+        bug="acquire evicts the most recently used unpinned adapter (MRU instead of LRU)",
+    ),
+    dict(
+        file="lora.py",
+        find="victim = next((n for n in self.slots if self.pins.get(n, 0) == 0), None)",
+        replace="victim = next(iter(self.slots), None)",
+        bug="acquire evicts the least recently used adapter even while a request pins it",
+    ),
+    dict(
+        file="lora.py",
+        find="        self.slots[name] = self.slots.pop(name)  # dicts keep insertion order: the end is most recent\n",
+        replace="",
+        bug="acquire does not make a hit the most recently used (FIFO eviction, not LRU)",
+    ),
+    dict(
+        file="lora.py",
+        find="                slot = free[0]",
+        replace="                slot = free[-1]",
+        bug="acquire loads into the highest free slot instead of the lowest",
+    ),
+    dict(
+        file="lora.py",
+        find="            self.load(name, slot)\n            self.slots[name] = slot\n",
+        replace="            if free:\n                self.load(name, slot)\n            self.slots[name] = slot\n",
+        bug="acquire reuses an evicted slot without loading the new adapter's weights into it",
+    ),
+    dict(
+        file="lora.py",
+        find="        self.pins[name] = self.pins.get(name, 0) + 1",
+        replace="        self.pins[name] = 1",
+        bug="acquire sets the pin count to 1 instead of adding one (a second request's pin is lost)",
+    ),
+    dict(
+        file="lora.py",
+        find="                if victim is None:\n                    return None\n",
+        replace="                if victim is None:\n                    victim = next(iter(self.slots))\n",
+        bug="acquire evicts a pinned adapter when every slot is pinned instead of answering None",
+    ),
+    dict(
+        file="lora.py",
+        find="            if free:\n                slot = free[0]",
+        replace="            if len(free) > 1:\n                slot = free[0]",
+        bug="acquire evicts while one slot is still free (uses max_loras - 1 slots)",
+    ),
+    # lora.py: AdapterRegistry.release
+    dict(
+        file="lora.py",
+        find="        self.pins[name] -= 1",
+        replace="        self.pins[name] = 0",
+        bug="release drops every pin of the adapter, not just this request's",
+    ),
+    dict(
+        file="lora.py",
+        find="        self.pins[name] -= 1",
+        replace="        pass",
+        bug="release never unpins: an adapter once used can never be evicted",
+    ),
+    dict(
+        file="lora.py",
+        find="        self.pins[name] -= 1",
+        replace="        self.pins[name] -= 1\n        if self.pins[name] == 0:\n            del self.slots[name], self.pins[name]",
+        bug="release unloads the adapter at zero pins (the next request reloads it from disk)",
+    ),
+    # structured.py: token_bytes
+    dict(
+        file="structured.py",
+        find="        if i >= vocab_size or i in special:",
+        replace="        if i >= vocab_size:",
+        bug="token_bytes gives special tokens (<s>, </s>) the bytes of their names",
+    ),
+    dict(
+        file="structured.py",
+        find="        table[i] = bytes(byte_of[c] for c in text)",
+        replace="        table[i] = bytes(ord(c) % 256 for c in text)",
+        bug="token_bytes maps a shifted character chr(256 + k) back to byte k instead of the k-th unprintable byte",
+    ),
+    dict(
+        file="structured.py",
+        find="        table[i] = bytes(byte_of[c] for c in text)",
+        replace="        table[i] = text.encode()",
+        bug="token_bytes UTF-8 encodes the vocabulary string instead of inverting the byte-level alphabet",
+    ),
+    dict(
+        file="structured.py",
+        find="        if i >= vocab_size or i in special:",
+        replace="        if i > vocab_size or i in special:",
+        bug="token_bytes keeps the token whose id equals vocab_size (off by one)",
+    ),
+    dict(
+        file="structured.py",
+        find="        if any(c not in byte_of for c in text):",
+        replace="        if False:",
+        bug="token_bytes skips the alphabet check (a non-byte-level tokenizer fails with a KeyError, not a ValueError naming the token)",
+    ),
+    # structured.py: build_token_index
+    dict(
+        file="structured.py",
+        find="        if s in dfa.accepting:\n            rows.append(s), cols.append(eos_token_id), ends.append(s)\n",
+        replace="",
+        bug="build_token_index never allows EOS (forgets the accepting states)",
+    ),
+    dict(
+        file="structured.py",
+        find="        if s in dfa.accepting:\n            rows.append(s), cols.append(eos_token_id), ends.append(s)\n",
+        replace="        rows.append(s), cols.append(eos_token_id), ends.append(s)\n",
+        bug="build_token_index allows EOS in every state, accepting or not",
+    ),
+    dict(
+        file="structured.py",
+        find="rows.append(s), cols.append(eos_token_id), ends.append(s)",
+        replace="rows.append(s), cols.append(eos_token_id), ends.append(dfa.initial)",
+        bug="build_token_index sends EOS back to the initial state",
+    ),
+    dict(
+        file="structured.py",
+        find="            step = dfa.transitions[state]",
+        replace="            step = dfa.transitions[s]",
+        bug="build_token_index reads every byte of a token from the start state (checks bytes one by one, not as a walk)",
+    ),
+    dict(
+        file="structured.py",
+        find="                    rows.append(s), cols.append(t), ends.append(nxt)",
+        replace="                    rows.append(s), cols.append(t), ends.append(state)",
+        bug="build_token_index records the state before the token's last byte as its next state",
+    ),
+    dict(
+        file="structured.py",
+        find="            node = node.setdefault(byte, {})\n        if data:\n            node.setdefault(-1, []).append(t)",
+        replace="            node = node.setdefault(byte, {})\n            node.setdefault(-1, []).append(t)",
+        bug="build_token_index allows a token as soon as any prefix of its bytes is alive",
+    ),
+    dict(
+        file="structured.py",
+        find="    next_state = torch.full((dfa.num_states, len(vocab)), -1, dtype=torch.int64)",
+        replace="    next_state = torch.zeros((dfa.num_states, len(vocab)), dtype=torch.int64)",
+        bug="build_token_index leaves next_state 0 (a real state) for disallowed tokens instead of -1",
+    ),
+    # structured.py: mask_logits
+    dict(
+        file="structured.py",
+        find='    return logits.masked_fill(~allowed, float("-inf"))',
+        replace="    return logits.masked_fill(~allowed, 0.0)",
+        bug="mask_logits masks with 0 instead of -inf (a disallowed token keeps probability)",
+    ),
+    dict(
+        file="structured.py",
+        find='    return logits.masked_fill(~allowed, float("-inf"))',
+        replace='    return logits.masked_fill(allowed, float("-inf"))',
+        bug="mask_logits masks the allowed tokens instead of the disallowed ones",
+    ),
+    dict(
+        file="structured.py",
+        find='    return logits.masked_fill(~allowed, float("-inf"))',
+        replace='    return logits.masked_fill_(~allowed, float("-inf"))',
+        bug="mask_logits masks the caller's logits in place",
+    ),
+    dict(
+        file="structured.py",
+        find="    allowed = torch.ones_like(logits, dtype=torch.bool)",
+        replace="    allowed = torch.zeros_like(logits, dtype=torch.bool)",
+        bug="mask_logits masks out every token of an unconstrained row",
+    ),
+    dict(
+        file="structured.py",
+        find="            allowed[row] = guide.allowed()",
+        replace="            allowed[:] = guide.allowed()",
+        bug="mask_logits applies each guide's mask to the whole batch (the last guide wins)",
+    ),
+    # structured.py: schema_to_regex
+    dict(
+        file="structured.py",
+        find='        return json_literal(schema["const"])',
+        replace='        return json.dumps(schema["const"])',
+        bug="schema_to_regex puts a const value in the regex without escaping it",
+    ),
+    dict(
+        file="structured.py",
+        find='        return "(?:" + "|".join(json_literal(v) for v in schema["enum"]) + ")"',
+        replace='        return "(?:" + "|".join(json.dumps(v) for v in schema["enum"]) + ")"',
+        bug="schema_to_regex puts enum members in the regex without escaping them",
+    ),
+    dict(
+        file="structured.py",
+        find='        return "(?:" + "|".join(json_literal(v) for v in schema["enum"]) + ")"',
+        replace='        return "|".join(json_literal(v) for v in schema["enum"])',
+        bug="schema_to_regex leaves an enum's alternation ungrouped (it swallows the text around it)",
+    ),
+    dict(
+        file="structured.py",
+        find='members = [f"{json_literal(name)}{WS}:{WS}{schema_to_regex(sub)}"',
+        replace='members = [f"{json.dumps(name)}{WS}:{WS}{schema_to_regex(sub)}"',
+        bug="schema_to_regex puts property names in the regex without escaping them",
+    ),
+    dict(
+        file="structured.py",
+        find="for name, sub in properties.items()]",
+        replace='for name, sub in properties.items() if name in schema.get("required", [])]',
+        bug="schema_to_regex emits only the required properties",
+    ),
+    dict(
+        file="structured.py",
+        find="        if missing:\n            raise UnsupportedSchema",
+        replace="        if False:\n            raise UnsupportedSchema",
+        bug="schema_to_regex accepts a required key that has no property (the output can never hold it)",
+    ),
+    dict(
+        file="structured.py",
+        find="""        return f'"{STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'""",
+        replace="""        return f'"[^"]{{{lo},{"" if hi is None else hi}}}"'""",
+        bug='schema_to_regex writes a string as "[^"]*" (no escapes, raw control characters allowed)',
+    ),
+    dict(
+        file="structured.py",
+        find="""        return f'"{STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'""",
+        replace="""        return f'"{STRING_CHAR}{{{lo},{"" if hi is None else hi + 1}}}"'""",
+        bug="schema_to_regex lets a string run one character past maxLength",
+    ),
+    dict(
+        file="structured.py",
+        find="more = f\"(?:{WS},{WS}{item}){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}\"",
+        replace="more = f\"(?:{WS},{WS}{item}){{{lo},{'' if hi is None else hi}}}\"",
+        bug="schema_to_regex counts the first item twice: minItems and maxItems off by one",
+    ),
+    dict(
+        file="structured.py",
+        find='        items = f"{item}{more}" if lo > 0 else f"(?:{item}{more})?"',
+        replace='        items = f"(?:{item}{more})?"',
+        bug="schema_to_regex always allows an empty array, whatever minItems says",
+    ),
+    dict(
+        file="structured.py",
+        find='        if hi == 0:\n            return rf"\\[{WS}\\]"\n',
+        replace="",
+        bug="schema_to_regex forgets maxItems = 0 (an impossible repeat count)",
+    ),
+    dict(
+        file="structured.py",
+        find="""    for key in schema:
+        if key not in SUPPORTED and key not in ANNOTATIONS:
+            raise UnsupportedSchema(f"unsupported JSON Schema feature {key!r}")
+""",
+        replace="",
+        bug="schema_to_regex silently ignores keywords it does not implement (pattern, minimum, anyOf, ...)",
+    ),
+    dict(
+        file="structured.py",
+        find="    if kind is None:\n        return any_json(2)",
+        replace="    if kind is None:\n        return any_object(2)",
+        bug="schema_to_regex makes a schema without a type any object instead of any JSON value",
+    ),
+    dict(
+        file="structured.py",
+        find="        if properties is None:\n            return any_object(2)",
+        replace="        if properties is None:\n            return any_json(2)",
+        bug="schema_to_regex makes an object without properties any JSON value, not any object",
+    ),
+    dict(
+        file="structured.py",
+        find='f"{WS},{WS}".join(members)',
+        replace='",".join(members)',
+        bug="schema_to_regex allows no space around the comma between members (json.dumps output rejected)",
+    ),
+]
