@@ -256,6 +256,16 @@ def random_match(dfa, rng: random.Random) -> bytes:
         state = row[byte]
 
 
+def assert_matches_validate(dfa, schema: dict, rng: random.Random, n: int, where: str) -> None:
+    """n random strings the DFA accepts all parse as JSON that jsonschema accepts."""
+    for i in range(n):
+        data = random_match(dfa, rng)
+        try:
+            jsonschema.validate(json.loads(data), schema)
+        except (ValueError, jsonschema.ValidationError) as e:
+            raise AssertionError(f"{where} sample {i}: {data!r} matches the regex but {e}") from None
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_schema_regex_accepts_valid_json_and_only_valid_json(impl, seed):
     rng = random.Random(seed)
@@ -269,12 +279,7 @@ def test_schema_regex_accepts_valid_json_and_only_valid_json(impl, seed):
         for text in (json.dumps(value), json.dumps(value, separators=(",", ":"))):
             state = dfa.walk(dfa.initial, text.encode())
             assert state in dfa.accepting, f"seed={seed} sample {i}: valid JSON {text!r} rejected by {pattern!r}"
-    for i in range(100):
-        data = random_match(dfa, rng)
-        try:
-            jsonschema.validate(json.loads(data), schema)
-        except (ValueError, jsonschema.ValidationError) as e:
-            raise AssertionError(f"seed={seed} sample {i}: {data!r} matches the regex but {e}") from None
+    assert_matches_validate(dfa, schema, rng, 100, f"seed={seed}")
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -354,13 +359,7 @@ def test_schema_regex_const_escaping_empty_arrays_and_untyped_schemas(impl, case
         assert accepts(dfa, text), f"{case}: {text} is valid against {schema} but rejected"
     for text in bad:
         assert not accepts(dfa, text), f"{case}: {text} is not valid against {schema} but accepted"
-    rng = random.Random(0)
-    for i in range(50):
-        data = random_match(dfa, rng)
-        try:
-            jsonschema.validate(json.loads(data), schema)
-        except (ValueError, jsonschema.ValidationError) as e:
-            raise AssertionError(f"{case} sample {i}: {data!r} matches the regex but {e}") from None
+    assert_matches_validate(dfa, schema, random.Random(0), 50, case)
 
 
 def test_a_required_key_without_a_property_is_never_silently_dropped(impl):
@@ -376,13 +375,7 @@ def test_a_required_key_without_a_property_is_never_silently_dropped(impl):
         dfa = compile_regex(pattern)
     except ValueError:
         return  # a regex that matches nothing at all
-    rng = random.Random(0)
-    for i in range(20):
-        data = random_match(dfa, rng)
-        try:
-            jsonschema.validate(json.loads(data), schema)
-        except (ValueError, jsonschema.ValidationError) as e:
-            raise AssertionError(f"sample {i}: {data!r} matches the regex but {e}") from None
+    assert_matches_validate(dfa, schema, random.Random(0), 20, "required key without a property:")
 
 
 @pytest.mark.parametrize(
