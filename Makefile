@@ -6,7 +6,7 @@ IMPL ?= solution
 export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test grade lab bench serve check lint format llamacpp student-edition mutants
+.PHONY: setup test grade lab bench serve lint format llamacpp student-edition mutants
 
 setup: .venv/.installed
 
@@ -19,15 +19,15 @@ setup: .venv/.installed
 
 ## make test: the whole suite against the reference solutions, plus the course guarantees (tests/meta)
 test: setup
-	$(PY) -m labkit.check
+	$(PY) -m labkit.grading.suite
 
 ## make grade [STAGE=02]: grade your own stage code (STAGE=02b: a stage's second part)
 grade: setup
-	$(PY) -m labkit.grade $(if $(STAGE),--stage $(STAGE))
+	$(PY) -m labkit.grading.grade $(if $(STAGE),--stage $(STAGE))
 
 ## make mutants [STAGE=04]: plant each catalogued learner bug in a copy of the solutions; count what the tests catch
 mutants: setup
-	nice -n 10 $(PY) -m labkit.mutants $(if $(STAGE),--stage $(STAGE))
+	nice -n 10 $(PY) -m labkit.grading.mutants $(if $(STAGE),--stage $(STAGE))
 
 ## make lab: Jupyter on the notebooks
 lab: setup
@@ -51,10 +51,10 @@ serve: setup
 ## make student-edition OUT=../course-learner (or BRANCH=learner): the course without its solutions
 student-edition: setup
 	@test -n "$(OUT)$(BRANCH)" || { echo "usage: make student-edition OUT=folder  or  BRANCH=name"; exit 2; }
-	$(PY) -m labkit.release $(if $(OUT),--out $(OUT),--branch $(BRANCH))
+	$(PY) -m labkit.grading.release $(if $(OUT),--out $(OUT),--branch $(BRANCH))
 
-## make check: lint and format check
-check lint: setup
+## make lint: lint and format check (ruff)
+lint: setup
 	.venv/bin/ruff check . && .venv/bin/ruff format --check .
 
 format: setup

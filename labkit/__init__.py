@@ -1,6 +1,8 @@
-"""The course's provided toolbox: loading models, the reference model, benchmarks, the grader.
+"""The course's library: the reference model, checkpoints, the paged cache, timing, the implementation switch.
 
 Nothing in labkit is graded. Every stage imports from it, and no stage imports another stage.
+Two tool rooms sit beside it and are never imported by it: labkit.grading (make test, make grade,
+make mutants, the learner edition) and labkit.bench (make bench, the load test).
 """
 
 from pathlib import Path

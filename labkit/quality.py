@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from . import corpus
-from .bench import decode_step, measure
 from .checkpoint import load_tokenizer
+from .timing import decode_step, measure
 
 
 def pack(tokenizer, texts: list[str], bos: int = 1, eos: int = 2) -> torch.Tensor:

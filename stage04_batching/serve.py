@@ -14,8 +14,8 @@ import uvicorn
 
 from labkit import LORA, TARGET
 from labkit.checkpoint import load_tokenizer
-from labkit.loadtest import fail_on_marker
 from labkit.model import from_pretrained
+from labkit.serving import fail_on_marker
 
 from .api_server import create_app
 from .engine import LLMEngine
@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--fault-marker",
         help="requests whose prompt holds this text fail inside the engine step "
-        "(to check fault isolation with labkit.loadtest --chaos)",
+        "(to check fault isolation with labkit.bench.loadtest --chaos)",
     )
     args = ap.parse_args(argv)
     tokenizer = load_tokenizer(args.model)

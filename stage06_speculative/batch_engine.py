@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from labkit import bench, paged
+from labkit import paged, timing
 from labkit.model import Llama
 
 from .batch_verify import choose_k, verify_batch
@@ -43,7 +43,7 @@ class Costs:
         for B in batch_sizes:
             steps = {("draft", 1): _paged_step(draft, B, context, 1)}
             steps |= {("target", T): _paged_step(target, B, context, T) for T in range(1, k_max + 2)}
-            seconds |= {(B, *name): t.median for name, t in bench.interleaved(steps, 3, warmup=1).items()}
+            seconds |= {(B, *name): t.median for name, t in timing.interleaved(steps, 3, warmup=1).items()}
 
         def at(B: int, model: str, T: int) -> float:
             if T > k_max + 1:

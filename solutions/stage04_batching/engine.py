@@ -168,7 +168,7 @@ class LLMEngine:
         # paged_attention has no sliding window: refuse one that a sequence could outgrow.
         refuse_extras(model.config, "stage04's paged engine", SUPPORTED_EXTRAS, self.max_model_len)
         # Called with each sequence of a batch just before the forward pass; tests and
-        # `labkit.loadtest --chaos` set it to make a chosen request fail inside step().
+        # `labkit.bench.loadtest --chaos` set it to make a chosen request fail inside step().
         self.fault_hook: Callable[[Sequence], None] | None = None
         # Structured output (part 2): token indexes by pattern; building one walks the whole vocabulary.
         self.token_indexes: dict[str | bytes, TokenIndex] = {}

@@ -2,7 +2,7 @@
 
 The tampering routes are those of issue 21: each is a tiny submission whose functions are wrong,
 and each must grade as failing with the instructor's course left as it was. A submission's code
-runs in a worker process (labkit.worker) unless grade.IN_PROCESS names its test; both routes are
+runs in a worker process (labkit.grading.worker) unless grade.IN_PROCESS names its test; both routes are
 tried.
 """
 
@@ -17,7 +17,8 @@ import uuid
 import numpy as np
 import pytest
 
-from labkit import ROOT, grade, sandbox, todo, worker
+from labkit import ROOT
+from labkit.grading import grade, sandbox, todo, worker
 
 SKELETON = """
 def sub(a: int, b: int) -> int:

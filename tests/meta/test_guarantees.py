@@ -1,6 +1,6 @@
 """The course's own guarantees, per stage (DESIGN.md "Guarantees"). Not graded; CI runs them.
 
-Selected per stage with `-k stage02_kv_cache`, which is how `make test` (labkit.check) runs them.
+Selected per stage with `-k stage02_kv_cache`, which is how `make test` (labkit.grading.suite) runs them.
 In the learner edition (no solutions/) the checks that need a solution skip, and say so.
 """
 
@@ -14,8 +14,9 @@ import time
 
 import pytest
 
-from labkit import ROOT, STAGES, todo
-from labkit.junit import run_pytest
+from labkit import ROOT, STAGES
+from labkit.grading import todo
+from labkit.grading.junit import run_pytest
 
 BUILT = list(dict.fromkeys(folder for folder, _ in STAGES.values()))  # a part-2 row shares its stage's folder
 NOTEBOOKS = [(folder, nb.name) for folder in BUILT for nb in sorted((ROOT / folder).glob("*.ipynb"))]

@@ -1,4 +1,4 @@
-"""labkit.loadtest --chaos against the reference server: disconnects (streaming and not), invalid bodies
+"""labkit.bench.loadtest --chaos against the reference server: disconnects (streaming and not), invalid bodies
 and requests failing inside the engine, mixed into normal load, leave every healthy request completed,
 no KV block in use and the server still serving. Bounded: 48 requests, a few seconds on a small model."""
 
@@ -7,9 +7,10 @@ import asyncio
 import pytest
 
 from labkit import ROOT, TARGET, impl
+from labkit.bench.loadtest import chaos, main
 from labkit.checkpoint import load_tokenizer
 from labkit.device import pin_threads
-from labkit.loadtest import chaos, fail_on_marker, main, serving
+from labkit.serving import fail_on_marker, serving
 from labkit.testing import random_labkit_llama
 
 pytestmark = pytest.mark.skipif(

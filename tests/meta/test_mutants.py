@@ -8,7 +8,7 @@ from labkit import ROOT
 
 
 def test_the_mutant_catalogue_is_valid():
-    from labkit.mutants import ROWS, load, validate
+    from labkit.grading.mutants import ROWS, load, validate
 
     problems = [p for stage in ROWS for p in validate(stage, load(stage))]
     assert not problems, "fix the catalogue:\n" + "\n".join(problems)
@@ -16,7 +16,7 @@ def test_the_mutant_catalogue_is_valid():
 
 def test_a_fixed_sample_of_learner_bugs_is_caught():
     run = subprocess.run(
-        [sys.executable, "-m", "labkit.mutants", "--sample", "1", "--jobs", "1", "--timeout", "300"],
+        [sys.executable, "-m", "labkit.grading.mutants", "--sample", "1", "--jobs", "1", "--timeout", "300"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -98,7 +98,7 @@ def test_a_todo_pointing_to_a_missing_notebook_is_caught(course, tmp_path):
 
 
 def test_part_two_is_its_own_grader_row(course, tmp_path):
-    out = run(course, "-m", "labkit.grade", "--stage", "2b", "--json", str(tmp_path / "r.json"))
+    out = run(course, "-m", "labkit.grading.grade", "--stage", "2b", "--json", str(tmp_path / "r.json"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     (row,) = json.loads((tmp_path / "r.json").read_text())["stages"]
     assert (row["stage"], row["status"], row["total"]) == ("02b", "not started", 1), row

@@ -1,4 +1,4 @@
-"""The learner edition (labkit.release): built into a temporary folder, it holds no answer and grades.
+"""The learner edition (labkit.grading.release): built into a temporary folder, it holds no answer and grades.
 
 Skipped inside a learner edition, which has no solutions to leave out.
 """
@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from labkit import ROOT, STAGES, release, todo
+from labkit import ROOT, STAGES
+from labkit.grading import release, todo
 
 pytestmark = pytest.mark.skipif(
     not (ROOT / "solutions").is_dir() or not (ROOT / ".git").exists(),
@@ -38,7 +39,7 @@ def test_edition_leaves_out_solutions_mutants_and_the_instructors_notes(edition)
     assert not (edition / "labkit" / "mutants.py").exists() and not (edition / "tests" / "meta" / "mutants").exists()
     readme, makefile = (edition / "README.md").read_text(), (edition / "Makefile").read_text()
     assert "learner edition" in readme and "Threat model" not in readme and "instructors-only" not in readme
-    assert "solutions." not in makefile and "labkit.release" not in makefile and "IMPL ?= student" in makefile
+    assert "solutions." not in makefile and "labkit.grading.release" not in makefile and "IMPL ?= student" in makefile
     assert (edition / "tests" / "stage01_forward_numpy").is_dir() and (edition / "labkit" / "assets").is_dir()
 
 
@@ -96,7 +97,7 @@ def test_make_grade_in_the_edition_finds_the_untouched_skeleton_not_started(edit
     # One part-1 row and one part-2 row: grading every row takes ~15 min on 2 cores, and for the other
     # rows "not started" already follows from guarantee 2 (every graded test fails on the skeleton).
     report = tmp_path / "report.json"
-    out = run_in(edition, "-m", "labkit.grade", "--stage", row, "--json", str(report), timeout=900)
+    out = run_in(edition, "-m", "labkit.grading.grade", "--stage", row, "--json", str(report), timeout=900)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = json.loads(report.read_text())["stages"]
     assert [(r["stage"], r["status"]) for r in rows] == [(row, "not started")], out.stdout[-3000:]

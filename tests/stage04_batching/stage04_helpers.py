@@ -8,8 +8,8 @@ import contextlib
 import random
 import time
 
-from labkit.loadtest import serving
 from labkit.model import Llama
+from labkit.serving import serving
 from labkit.testing import random_labkit_llama
 
 PROMPT = "Once upon a time, there was"
@@ -47,7 +47,7 @@ class TokenCounter:
 
 
 class LiveServer:
-    """create_app(...) served by a real uvicorn on a free loopback port (labkit.loadtest.serving), over a
+    """create_app(...) served by a real uvicorn on a free loopback port (labkit.bench.loadtest.serving), over a
     small random model; `offline` is a second engine on the same weights for reference outputs."""
 
     def __init__(self, impl, tokenizer, num_blocks: int = 128, **app_kw):

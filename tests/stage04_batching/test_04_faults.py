@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from stage04_helpers import PROMPT, LiveServer, make_model, wait_blocks_free
 
-from labkit.loadtest import FAULT_MARKER, fail_on_marker
+from labkit.serving import FAULT_MARKER, fail_on_marker
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from stage04_helpers import PROMPT
 from stage04_lora_helpers import ADAPTER_KINDS, peft_merged, save_random_adapter
 
 from labkit.impl import load
-from labkit.loadtest import serving
+from labkit.serving import serving
 from labkit.testing import hf_greedy, labkit_from_hf, random_llama
 
 

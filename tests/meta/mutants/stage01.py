@@ -1,4 +1,4 @@
-"""Stage 01 learner bugs, one edit each, planted in solutions/stage01_forward_numpy (see labkit/mutants.py)."""
+"""Stage 01 learner bugs, one edit each, planted in solutions/stage01_forward_numpy (see labkit/grading/mutants.py)."""
 
 MUTANTS = [
     # gpt2_numpy.py

@@ -1,4 +1,4 @@
-"""Stage 02 learner bugs, one edit each, planted in solutions/stage02_kv_cache (see labkit/mutants.py)."""
+"""Stage 02 learner bugs, one edit each, planted in solutions/stage02_kv_cache (see labkit/grading/mutants.py)."""
 
 MUTANTS = [
     # kv_cache.py

@@ -1,5 +1,5 @@
 """Stage 02 part 2 learner bugs (MLA, attention sinks, H2O), one edit each, planted in
-solutions/stage02_kv_cache (see labkit/mutants.py)."""
+solutions/stage02_kv_cache (see labkit/grading/mutants.py)."""
 
 MUTANTS = [
     # mla.py: project_q

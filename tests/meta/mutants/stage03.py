@@ -1,4 +1,4 @@
-"""Stage 03 learner bugs, one edit each, planted in solutions/stage03_quantization (see labkit/mutants.py)."""
+"""Stage 03 learner bugs, one edit each, planted in solutions/stage03_quantization (see labkit/grading/mutants.py)."""
 
 MUTANTS = [
     # primitives.py: INT8

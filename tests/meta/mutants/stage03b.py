@@ -1,5 +1,5 @@
 """Stage 03 part 2 learner bugs (llama.cpp's block formats and the GGUF export), one edit each, planted in
-solutions/stage03_quantization (see labkit/mutants.py)."""
+solutions/stage03_quantization (see labkit/grading/mutants.py)."""
 
 MUTANTS = [
     # llamacpp_quants.py: Q8_0

@@ -1,4 +1,4 @@
-"""Stage 04 learner bugs, one edit each, planted in solutions/stage04_batching (see labkit/mutants.py)."""
+"""Stage 04 learner bugs, one edit each, planted in solutions/stage04_batching (see labkit/grading/mutants.py)."""
 
 MUTANTS = [
     # block_manager.py

@@ -1,5 +1,5 @@
 """Stage 04 part 2 learner bugs (structured output, multi-LoRA), one edit each, planted in
-solutions/stage04_batching (see labkit/mutants.py)."""
+solutions/stage04_batching (see labkit/grading/mutants.py)."""
 
 MUTANTS = [
     # lora.py: bgmv

@@ -1,4 +1,4 @@
-"""Stage 05 learner bugs, one edit each, planted in solutions/stage05_flashattention (see labkit/mutants.py)."""
+"""Stage 05 learner bugs, one edit each, planted in solutions/stage05_flashattention (see labkit/grading/mutants.py)."""
 
 MUTANTS = [
     # online_softmax.py

@@ -1,4 +1,4 @@
-"""Stage 06 part 2 learner bugs, one edit each, planted in solutions/stage06_speculative (see labkit/mutants.py)."""
+"""Stage 06 part 2 learner bugs, one edit each, planted in solutions/stage06_speculative (see labkit/grading/mutants.py)."""
 
 MUTANTS = [
     # batch_verify.py: verify_batch

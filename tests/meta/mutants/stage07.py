@@ -1,4 +1,4 @@
-"""Stage 07 learner bugs, one edit each, planted in solutions/stage07_tensor_parallel (see labkit/mutants.py)."""
+"""Stage 07 learner bugs, one edit each, planted in solutions/stage07_tensor_parallel (see labkit/grading/mutants.py)."""
 
 MUTANTS = [
     # layers.py

@@ -1,7 +1,7 @@
 """Write the learner edition of the course: everything but the answers.
 
     make student-edition OUT=../course-learner             a folder
-    python -m labkit.release --branch learner               a commit on branch `learner`
+    python -m labkit.grading.release --branch learner               a commit on branch `learner`
 
 The edition is made from the files git tracks in this checkout (run it on a clean `main`), so the
 same commit always gives the same edition. It leaves out the reference solutions, the mutation
@@ -21,9 +21,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import ROOT
+from .. import ROOT
 
-LEFT_OUT = ("solutions/", "tests/meta/mutants/", "labkit/mutants.py", "tests/meta/test_mutants.py")
+LEFT_OUT = ("solutions/", "tests/meta/mutants/", "labkit/grading/mutants.py", "tests/meta/test_mutants.py")
 INSTRUCTORS = re.compile(r"<!-- instructors-only -->.*?<!-- /instructors-only -->\n?", re.S)
 POINTER = (
     "*This is the learner edition of the course. The reference solutions and the instructors' notes "
@@ -35,7 +35,7 @@ MAKEFILE = [
     (re.compile(r"^IMPL \?= solution$", re.M), "IMPL ?= student"),
     (re.compile(r"\$\(if \$\(filter solution,\$\(IMPL\)\),solutions\.\)"), ""),
 ]
-INSTRUCTOR_TARGETS = ("labkit.mutants", "labkit.release")
+INSTRUCTOR_TARGETS = ("labkit.grading.mutants", "labkit.grading.release")
 SOLUTION_IMPORT = re.compile(r"^\s*(from|import)\s+solutions\b|import_module\(\s*['\"]solutions\b", re.M)
 
 
@@ -66,14 +66,14 @@ def write_edition(out: Path, root: Path = ROOT, allow_dirty: bool = False) -> li
     readme = out / "README.md"
     text, n = INSTRUCTORS.subn(POINTER, readme.read_text())
     if n == 0:
-        raise SystemExit("README.md: no <!-- instructors-only --> section found; update labkit/release.py")
+        raise SystemExit("README.md: no <!-- instructors-only --> section found; update labkit/grading/release.py")
     readme.write_text(re.sub(r"^solutions/ .*\n", "", text, flags=re.M))  # and its line in the layout
     makefile = out / "Makefile"
     text = makefile.read_text()
     for pattern, new in MAKEFILE:
         text, n = pattern.subn(new, text)
         if n == 0:
-            raise SystemExit(f"Makefile: expected to find {pattern.pattern!r}; update labkit/release.py")
+            raise SystemExit(f"Makefile: expected to find {pattern.pattern!r}; update labkit/grading/release.py")
     paragraphs = [p for p in text.split("\n\n") if not any(t in p for t in INSTRUCTOR_TARGETS)]
     dropped = {m for p in text.split("\n\n") for m in re.findall(r"^([\w-]+):", p, re.M)} - {
         m for p in paragraphs for m in re.findall(r"^([\w-]+):", p, re.M)

@@ -7,7 +7,7 @@ the handout's §6 reads bench_results/stage04_latency.json.
 """
 
 from labkit import bench, plot
-from labkit.benchmarks.stage04 import latency_sweeps, plot_latency
+from labkit.bench.stage04 import latency_sweeps, plot_latency
 from labkit.device import pin_threads
 from labkit.impl import load
 

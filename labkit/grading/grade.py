@@ -2,21 +2,21 @@
 
     make grade                 every row (stage, or a stage's part 2 such as 02b), a table
     make grade STAGE=02        one row, with every failing test listed
-    python -m labkit.grade --json report.json
-    python -m labkit.grade --submission ~/my-course-copy    (instructors)
+    python -m labkit.grading.grade --json report.json
+    python -m labkit.grading.grade --submission ~/my-course-copy    (instructors)
 
 A row's score is computed over its canonical test IDs, collected before any learner code is
-imported. Outcomes come back one test at a time through a pipe (labkit.outcomes), and a test
+imported. Outcomes come back one test at a time through a pipe (labkit.grading.outcomes), and a test
 that never reports (a crash, an early exit, a time limit) counts as failed.
 
-With --submission, the learner's code runs in a worker process the tests call (labkit.worker),
+With --submission, the learner's code runs in a worker process the tests call (labkit.grading.worker),
 so it cannot reach pytest or the pipe. The tests in IN_PROCESS cannot work that way; they run
 in a pytest run of their own with the learner's code in-process, and that run's reports count
 for those tests alone.
 
 `make grade` is self-assessment: it runs in your own checkout. --submission is the instructor's
 tool: it copies only the learner-editable files (stage modules with a TODO) from PATH into a
-clean copy of the course without the solutions, and runs each row sandboxed (labkit.sandbox):
+clean copy of the course without the solutions, and runs each row sandboxed (labkit.grading.sandbox):
 nothing outside the copy is writable and no process outlives the row. README, "Threat model".
 """
 
@@ -34,7 +34,8 @@ import threading
 import time
 from pathlib import Path
 
-from . import ROOT, STAGES, sandbox, todo, triton_interpret
+from .. import ROOT, STAGES, triton_interpret
+from . import sandbox, todo
 
 PART_RE = re.compile(r"^test_(\d\d[a-z])_\w+\.py$")  # test_02b_mla.py belongs to row 02b
 MESSAGE_CHARS = 200  # a failure message in the report is one line, cut to this length
@@ -117,7 +118,7 @@ def run_row(course: Path, tests: list[str], env: dict, timeout: float, hide: lis
     (records from the pipe, how it ended)."""
     read, write = os.pipe()
     cmd = [sys.executable, "-m", "pytest", *tests, "--impl", "student", "-q", "-p", "no:cacheprovider"]
-    cmd += ["-p", "labkit.outcomes"]
+    cmd += ["-p", "labkit.grading.outcomes"]
     env = env | {"LABKIT_OUTCOMES_FD": str(write), "LABKIT_PASS_FDS": str(write)}
     if hide is not None:  # a fresh writable corner per row; the copy itself stays read-only
         shutil.rmtree(course / ".grade", ignore_errors=True)

@@ -1,7 +1,7 @@
 """Stage 06 part 2 benchmark, Medusa: the tiny target's 4 Medusa heads against the separate draft model
 (part 1) and prompt lookup, on the same held-out prompts, all greedy at batch 1.
 
-    make bench STAGE=06b   (labkit/benchmarks/stage06b.py runs this main and saves its Result)
+    make bench STAGE=06b   (labkit/bench/stage06b.py runs this main and saves its Result)
 
 For each drafter: mean tokens per target forward (the accepted length, bonus token included; the
 prefill counts as a forward), tokens each target forward reads, and the wall-clock speedup over the

@@ -10,7 +10,7 @@ the test files that import the mutated module first, slow files last) and counts
 It prints caught/planted per stage and every survivor with its description. Mutants marked
 `equivalent` change no observable behaviour; they are listed, not run, and not counted.
 
-    python -m labkit.mutants [--stage 04] [--stage 04b] [--sample 2] [--jobs 2] [--check]
+    python -m labkit.grading.mutants [--stage 04] [--stage 04b] [--sample 2] [--jobs 2] [--check]
 """
 
 import argparse
@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import ROOT, STAGES, triton_interpret
+from .. import ROOT, STAGES, triton_interpret
 from .junit import _cases
 
 CATALOGUE = ROOT / "tests" / "meta" / "mutants"
@@ -61,7 +61,7 @@ def load(stage: str) -> list[Mutant]:
     """The catalogue of one stage, read from tests/meta/mutants/stageNN.py."""
     path = CATALOGUE / f"stage{stage}.py"
     if not path.exists():
-        raise SystemExit(f"no mutant catalogue {path}; the format is in labkit/mutants.py's docstring.")
+        raise SystemExit(f"no mutant catalogue {path}; the format is in labkit/grading/mutants.py's docstring.")
     namespace: dict = {}
     exec(compile(path.read_text(), str(path), "exec"), namespace)
     return [Mutant(stage, i, **entry) for i, entry in enumerate(namespace["MUTANTS"], 1)]
@@ -239,7 +239,7 @@ class Workspace:
         if probe.returncode or not all(p.startswith(str(self.root)) for p in probe.stdout.split()):
             raise RuntimeError(f"the copy of the course does not import its own code: {probe.stdout}{probe.stderr}")
         self.server = subprocess.Popen(
-            [sys.executable, "-c", "from labkit.mutants import serve; serve()"],
+            [sys.executable, "-c", "from labkit.grading.mutants import serve; serve()"],
             cwd=self.root,
             env=self.env,
             stdin=subprocess.PIPE,

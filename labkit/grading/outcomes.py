@@ -1,13 +1,13 @@
 """pytest plugin of the grader: each test's outcome, sent as it happens, down a pipe to the grader.
 
-    pytest -p labkit.outcomes ...    with LABKIT_OUTCOMES_FD=<write end of a pipe>
+    pytest -p labkit.grading.outcomes ...    with LABKIT_OUTCOMES_FD=<write end of a pipe>
 
 One JSON line per finished test: {"id": nodeid, "outcome": passed|failed|skipped, "message": ...}.
 Nothing is written to a file or named on the command line, so a submission has no report to
-rewrite; a test the pipe never hears about counts as failed (labkit.grade).
+rewrite; a test the pipe never hears about counts as failed (labkit.grading.grade).
 
-With LABKIT_WORKER set (labkit.grade --submission, most rows), the learner's code runs in a
-worker process (labkit.worker) and this process is made non-dumpable, so neither the worker nor
+With LABKIT_WORKER set (labkit.grading.grade --submission, most rows), the learner's code runs in a
+worker process (labkit.grading.worker) and this process is made non-dumpable, so neither the worker nor
 any process a test starts can open this one's /proc/PID/fd or memory. Without it (self-assessment,
 and the rows README's threat model names) the learner's code runs in this same process and could
 still reach pytest's machinery. The plugin therefore checks, after every test, that what decides an outcome is what it was before
@@ -24,6 +24,7 @@ import sys
 
 import pytest
 
+from .. import impl
 from . import worker
 
 _MESSAGE_CHARS = 300  # a failure message is the exception's first line, cut to this length
@@ -137,7 +138,7 @@ def _deepest_learner_frame(longrepr) -> str:
 def pytest_configure(config):
     fd = os.environ.pop("LABKIT_OUTCOMES_FD", None)
     if os.environ.pop("LABKIT_WORKER", None) and fd is not None:
-        worker.ACTIVE = True
+        impl.install_loader(worker.load)
     if fd is not None:
         os.set_inheritable(int(fd), False)  # no process a test starts gets the pipe
         # PR_SET_DUMPABLE 0: other processes of this user (the worker, a server a test starts)

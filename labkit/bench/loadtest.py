@@ -1,7 +1,7 @@
 """Drive an OpenAI-compatible server with N concurrent streaming clients and report latency figures.
 
-    python -m labkit.loadtest --url http://127.0.0.1:8000 --concurrency 16 --requests 64
-    python -m labkit.loadtest --url http://127.0.0.1:8000 --chaos   # serve with --fault-marker "<fault>"
+    python -m labkit.bench.loadtest --url http://127.0.0.1:8000 --concurrency 16 --requests 64
+    python -m labkit.bench.loadtest --url http://127.0.0.1:8000 --chaos   # serve with --fault-marker "<fault>"
 
 The workload is seeded: prompts are the openings of held-out stories, output lengths are drawn
 uniformly, and EOS is ignored (`ignore_eos`, as vLLM's benchmarks do) so every run generates the
@@ -17,15 +17,14 @@ import asyncio
 import contextlib
 import json
 import random
-import socket
 import sys
-import threading
 import time
 
 import httpx
 
-from . import corpus
-from .bench import table
+from .. import corpus
+from ..serving import FAULT_MARKER
+from ..timing import table
 
 
 def workload(seed: int, n: int, max_tokens: tuple[int, int] = (16, 128)) -> list[dict]:
@@ -101,8 +100,6 @@ async def run(url: str, bodies: list[dict], concurrency: int, timeout: float = 6
     }
 
 
-FAULT_MARKER = "<fault>"
-
 # Bodies every server must refuse with a 4xx: broken JSON, each field outside its domain, a lone
 # surrogate, and a body larger than any context (1 MB).
 INVALID_BODIES = [
@@ -116,16 +113,6 @@ INVALID_BODIES = [
     b'{"prompt": "x", "seed": 100000000000000000000000}',
     json.dumps({"prompt": "word " * 200_000}).encode(),
 ]
-
-
-def fail_on_marker(tokenizer, marker: str = FAULT_MARKER):
-    """An LLMEngine.fault_hook: raise inside the engine step for each request whose prompt holds `marker`."""
-
-    def hook(seq) -> None:
-        if marker in tokenizer.decode(seq.token_ids[: seq.num_prompt_tokens]):
-            raise RuntimeError(f"injected fault: the prompt holds {marker!r}")
-
-    return hook
 
 
 async def _chaos_one(client: httpx.AsyncClient, kind: str, body: dict, rng: random.Random) -> str:
@@ -232,29 +219,6 @@ async def chaos(url: str, n: int = 64, concurrency: int = 16, seed: int = 0, tim
         and report["still_serving"]
     )
     return report
-
-
-@contextlib.contextmanager
-def serving(app, timeout: float = 30.0):
-    """Run an ASGI app with uvicorn on a free 127.0.0.1 port in a thread; yields its base URL."""
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + timeout
-    while not server.started:
-        if time.time() > deadline or not thread.is_alive():
-            raise RuntimeError(f"uvicorn did not start within {timeout} s")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout)
 
 
 def main(argv=None) -> None:

@@ -1,6 +1,6 @@
 """Run pytest in a subprocess and read its JUnit XML: how `make test` and the guarantees run pytest.
 
-(The grader does not use it: a learner's code could rewrite the XML. See labkit.outcomes.)"""
+(The grader does not use it: a learner's code could rewrite the XML. See labkit.grading.outcomes.)"""
 
 import os
 import signal

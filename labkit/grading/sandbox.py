@@ -1,6 +1,6 @@
 """Run a command so that it can write only inside one folder, and dies with its grading.
 
-    python -m labkit.sandbox --scratch DIR [--hide PATH ...] -- CMD ...      (inside `command()`)
+    python -m labkit.grading.sandbox --scratch DIR [--hide PATH ...] -- CMD ...      (inside `command()`)
 
 `command()` wraps CMD in util-linux's `unshare`, which ships with every Debian/Ubuntu image (no
 root needed where unprivileged user namespaces are enabled, the default on Debian 11+ and on
@@ -52,7 +52,7 @@ def unavailable() -> str | None:
 def command(cmd: list[str], scratch: Path, hide: list[Path]) -> list[str]:
     """`cmd` wrapped so that it runs sandboxed with `scratch` as its only writable folder."""
     hidden = [arg for p in hide for arg in ("--hide", str(p))]
-    return [*UNSHARE, sys.executable, "-m", "labkit.sandbox", "--scratch", str(scratch), *hidden, "--", *cmd]
+    return [*UNSHARE, sys.executable, "-m", "labkit.grading.sandbox", "--scratch", str(scratch), *hidden, "--", *cmd]
 
 
 def _mount(source, target, fstype, flags, data=None) -> None:

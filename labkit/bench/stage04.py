@@ -22,9 +22,9 @@ import time
 import torch
 
 from labkit import bench, plot
+from labkit.bench.loadtest import percentile
 from labkit.device import pin_threads
 from labkit.impl import load
-from labkit.loadtest import percentile
 from labkit.testing import hf_from_labkit
 
 
@@ -151,7 +151,7 @@ def main(quick: bool = False) -> bench.Result:
     prefix = prefix_cache_ttft(engine_mod, sequence, model, V, 4 if quick else 8)
     print(bench.table(prefix, "TTFT with a shared 512-token system prompt"))
     served = server_vs_naive(engine_mod, sequence, model, [4, 16] if quick else [1, 4, 16, 32], 16 if quick else 32)
-    print(bench.table(served["rows"], "HTTP serving, streaming clients (labkit.loadtest)"))
+    print(bench.table(served["rows"], "HTTP serving, streaming clients (labkit.bench.loadtest)"))
     print(bench.table([served["ratios"]], "Server ratios at concurrency 16"))
     lat = latency_sweeps(engine_mod, model, quick)
 
@@ -193,8 +193,8 @@ def prefix_cache_ttft(engine_mod, sequence, model, vocab: int, n: int) -> list[d
 
 def server_vs_naive(engine_mod, sequence, model, concurrency: list[int], n: int) -> dict:
     """The continuous-batching server vs the same server limited to one request at a time
-    (max_num_seqs=1), driven by labkit.loadtest; plus the server's overhead over the offline engine."""
-    from labkit.loadtest import run, serving, workload
+    (max_num_seqs=1), driven by labkit.bench.loadtest; plus the server's overhead over the offline engine."""
+    from labkit.bench.loadtest import run, serving, workload
 
     server = load("stage04_batching.api_server")
     tok = bench.tokenizer()

@@ -1,10 +1,10 @@
 """The learner's code in a process of its own: the tests call it, and see only data and handles.
 
-    LABKIT_WORKER=1 pytest -p labkit.outcomes ...      (labkit.grade --submission, most tests)
+    LABKIT_WORKER=1 pytest -p labkit.grading.outcomes ...      (labkit.grading.grade --submission, most tests)
 
-With LABKIT_WORKER set, the outcomes plugin sets ACTIVE and takes the variable out of the
+With LABKIT_WORKER set, the outcomes plugin installs `load` below as labkit.impl's loader and takes the variable out of the
 environment (a process a test starts loads stage code itself). Then `labkit.impl.load(name)`
-imports nothing in the test process: it starts one worker (`python -m labkit.worker`), has it
+imports nothing in the test process: it starts one worker (`python -m labkit.grading.worker`), has it
 import the stage module, and returns a proxy whose attribute reads, calls, indexing and
 iteration run in the worker. pytest, the tests, the assertions and the outcome pipe stay in the
 test process, which the worker cannot reach: the pipe is not inherited, and the test process is
@@ -38,10 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import ROOT
-from .device import has_gpu
+from .. import ROOT
+from ..device import has_gpu
 
-ACTIVE = False  # in the test process of a graded run: stage modules load in the worker
 OPS = {
     "getattr": getattr,
     "setattr": setattr,
@@ -72,7 +71,7 @@ TRUSTED_OPS = {"call", "iter", "next", "len", "bool", "contains", "eq", "hash", 
 
 class WorkerError(Exception):
     """The worker could not run a call: it died, or it sent something that is not a message.
-    Its text is the course's own (labkit.outcomes reports it as a crash, unredacted)."""
+    Its text is the course's own (labkit.grading.outcomes reports it as a crash, unredacted)."""
 
 
 class _NoGlobals(pickle.Unpickler):
@@ -458,7 +457,7 @@ def _exception(info: tuple) -> Exception:
         e = cls(text)
     except Exception:  # noqa: BLE001 - a built-in whose constructor wants more (UnicodeDecodeError)
         e = RuntimeError(text)
-    e.labkit_where = where  # labkit.outcomes reports it as the learner's file and line
+    e.labkit_where = where  # labkit.grading.outcomes reports it as the learner's file and line
     return e
 
 
@@ -466,7 +465,7 @@ def _exception(info: tuple) -> Exception:
 
 
 def _import(name: str):
-    from .impl import load
+    from ..impl import load
 
     return load(name)
 
@@ -513,7 +512,7 @@ def _start() -> Peer:
     # The worker sees the test process's import path, so an object of a test module unpickles there.
     env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "labkit.worker", str(theirs.fileno())],
+        [sys.executable, "-m", "labkit.grading.worker", str(theirs.fileno())],
         env=env,
         pass_fds=[theirs.fileno()],  # and nothing else: the outcome pipe stays here
         stdin=subprocess.DEVNULL,

@@ -18,7 +18,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from . import ROOT, STAGES, triton_interpret
+from .. import ROOT, STAGES, triton_interpret
 from .junit import Run, run_pytest
 
 
