@@ -3,7 +3,7 @@
     app = create_app(engine, tokenizer)    # python -m stage04_batching.serve runs it with uvicorn
 
 /v1/completions and /v1/chat/completions (streaming or not), /v1/models, /health, /metrics. With a
-LoRAEngine, `"model": "tiny-target:pip"` (or vLLM's bare adapter name, `"pip"`) picks the adapter. A request
+LoRAEngine, `"model": "tiny-target:zoe"` (or vLLM's bare adapter name, `"zoe"`) picks the adapter. A request
 is checked before it costs anything: its body size before parsing, every field against what the engine
 can take, its length against the context after tokenizing (in a worker thread, so a large prompt does
 not stall other clients' streams). A client that disconnects, streaming or not, aborts its request.

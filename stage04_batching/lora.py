@@ -5,9 +5,9 @@ with A (r, d_in) and B (d_out, r) of a small rank r. Merging scaling B A into W 
 per adapter; keeping them apart lets one batch carry rows of many adapters over the SAME base weights:
 the base matmul is shared, and each token adds the small term of its own adapter.
 
-    registry = AdapterRegistry(model.config, {"pip": LORA / "pip"}, max_loras=2)
+    registry = AdapterRegistry(model.config, {"zoe": LORA / "zoe"}, max_loras=2)
     engine = LoRAEngine(model, tokenizer, registry)          # lora_engine.py: the engine side
-    engine.generate([prompt], SamplingParams(lora="pip"))
+    engine.generate([prompt], SamplingParams(lora="zoe"))
 
 The adapters live in `max_loras` slots of preallocated tensors, one pair per (layer, module), so a
 forward pass gathers every token's A and B by slot index; `AdapterRegistry` decides which adapter

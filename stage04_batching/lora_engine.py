@@ -1,8 +1,8 @@
 """The engine that serves many LoRA adapters at once (given code; vLLM: LoRA in its engine and scheduler).
 
-    registry = AdapterRegistry(model.config, {"pip": LORA / "pip", "sea": LORA / "sea"}, max_loras=2)
+    registry = AdapterRegistry(model.config, {"zoe": LORA / "zoe", "turtles": LORA / "turtles"}, max_loras=2)
     engine = LoRAEngine(model, tokenizer, registry)
-    engine.generate(prompts, [SamplingParams(lora="pip"), SamplingParams(), SamplingParams(lora="sea")])
+    engine.generate(prompts, [SamplingParams(lora="zoe"), SamplingParams(), SamplingParams(lora="turtles")])
 
 A request names its adapter in SamplingParams.lora (None: the base model). It waits in `parked` until
 the registry can pin its adapter in a slot, then joins the scheduler like any request; its pin is

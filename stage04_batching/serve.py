@@ -3,7 +3,7 @@
     MODEL=path/to/hf-folder make serve      # --model defaults to $MODEL, else labkit's tiny target
     curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
          -d '{"prompt": "Once upon a time", "max_tokens": 40, "stream": true}'
-    python -m stage04_batching.serve --lora-modules course     # then "model": "tiny-target:pirate"
+    python -m stage04_batching.serve --lora-modules course     # then "model": "tiny-target:zoe"
 """
 
 import argparse
@@ -47,7 +47,7 @@ def main(argv=None) -> None:
         default=[],
         metavar="NAME=PATH",
         help="LoRA adapters (PEFT folders) to serve, as vLLM takes them; "
-        "`--lora-modules course` serves labkit's own (pip, pirate, sea)",
+        "`--lora-modules course` serves labkit's own (zoe, excited, turtles)",
     )
     ap.add_argument("--max-loras", type=int, default=2, help="adapter slots: how many are loaded at once")
     ap.add_argument(
