@@ -104,3 +104,32 @@ def test_sampling_is_reproducible_from_the_seed(impl, seed):
     first, again, other = run(seed), run(seed), run(seed + 1000)
     assert first == again, f"the same seed gave different tokens (seed={seed}): draw only from the rng passed in"
     assert first != other, f"seeds {seed} and {seed + 1000} gave identical samples: is the rng used at all?"
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("extra", [0, 7])
+def test_top_k_at_or_above_the_vocabulary_keeps_every_token(impl, seed, extra):
+    """Clients send top_k=50 to models of any vocabulary: a k of V or more restricts nothing."""
+    V = 9
+    logits = np.random.default_rng(seed).normal(0, 1.0, size=(V,)).astype(np.float32)
+    rng = np.random.default_rng(300 + seed)
+    sample_next = impl(MODULE).sample_next
+    freq = frequencies(lambda: sample_next(logits, temperature=0.8, top_k=V + extra, rng=rng), V)
+    np.testing.assert_allclose(
+        freq, exact_softmax(logits / 0.8), atol=0.025, err_msg=f"top_k={V + extra} over V={V} tokens, seed={seed}"
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_top_k_combined_with_temperature(impl, seed, temperature):
+    """Both knobs at once: the k largest logits survive, then softmax(logit / T) over them alone."""
+    V, k = 10, 4
+    logits = np.random.default_rng(seed).normal(0, 1.0, size=(V,)).astype(np.float32)
+    top = np.argsort(logits)[-k:]
+    rng = np.random.default_rng(400 + seed)
+    sample_next = impl(MODULE).sample_next
+    freq = frequencies(lambda: sample_next(logits, temperature=temperature, top_k=k, rng=rng), V)
+    expected = np.zeros(V)
+    expected[top] = exact_softmax(logits[top] / temperature)
+    np.testing.assert_allclose(freq, expected, atol=0.025, err_msg=f"top_k={k}, T={temperature}, seed={seed}")

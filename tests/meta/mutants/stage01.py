@@ -282,6 +282,18 @@ MUTANTS = [
     ),
     dict(
         file="sampling.py",
+        find="        top_k = min(top_k, len(logits))\n",
+        replace="",
+        bug="top-k assumes k is below the vocabulary size (np.partition fails for k >= V)",
+    ),
+    dict(
+        file="sampling.py",
+        find="top_k = min(top_k, len(logits))",
+        replace="top_k = min(top_k, len(logits) - 1)",
+        bug="top-k clamps a k of V or more to V - 1, dropping the least likely token",
+    ),
+    dict(
+        file="sampling.py",
         find="logits = forward(params, np.asarray(ids))[-1]",
         replace="logits = forward(params, np.asarray(ids))[0]",
         bug="generate reads the first row of logits instead of the last",
