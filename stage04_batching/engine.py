@@ -6,6 +6,9 @@
 Each step() asks the scheduler for a batch, runs ONE forward pass over all its tokens (prefill
 chunks and decodes packed together), samples a token for every sequence whose prompt is fully
 computed, and returns what changed for streaming.
+
+Given code (nano-vllm: engine/llm_engine.py); the sampling and stop-string logic it calls is yours,
+in sampling.py.
 """
 
 import itertools
@@ -21,6 +24,7 @@ from labkit.model import Llama, apply_rope, refuse_extras
 from .block_manager import BlockManager
 from .byte_dfa import compile_regex
 from .paged_attention import PagedKVCache, paged_attention, slot_mapping
+from .sampling import find_stop, safe_length, sample
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence
 from .structured import Guide, TokenIndex, build_token_index, mask_logits, token_bytes
@@ -40,27 +44,6 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None
     error: str | None = None  # why the engine failed this request (finish_reason "error")
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> int:
-    """One token id from logits (vocab,) float32.
-
-    temperature 0 -> argmax. Otherwise softmax(logits / temperature) restricted to the top_k largest
-    logits (if top_k > 0) and then to the smallest set of tokens whose probability reaches top_p (if
-    top_p < 1), renormalized, sampled with `generator` (a per-request seed makes it reproducible).
-    """
-    raise NotImplementedError("stage04: sample — see lab.ipynb §5")
-
-
-def find_stop(text: str, stops: list[str]) -> int | None:
-    """Index where the earliest stop string starts in text, or None."""
-    raise NotImplementedError("stage04: find_stop — see lab.ipynb §5")
-
-
-def safe_length(text: str, stops: list[str]) -> int:
-    """How much of a not-yet-finished text can be streamed: hold back a trailing broken UTF-8 sequence
-    (decoded as U+FFFD) and any tail that could still grow into a stop string."""
-    raise NotImplementedError("stage04: safe_length — see lab.ipynb §5")
 
 
 MAX_TOKEN_INDEXES = 32  # structured output: the token indexes kept (each is num_states x vocab)

@@ -13,7 +13,7 @@ def _params(impl, **kw):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_temperature_sampling_follows_the_softmax(impl, seed):
-    sample = impl("stage04_batching.engine").sample
+    sample = impl("stage04_batching.sampling").sample
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(6, generator=gen) * 2
     params = _params(impl, temperature=0.7)
@@ -26,7 +26,7 @@ def test_temperature_sampling_follows_the_softmax(impl, seed):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_top_k_and_top_p_keep_exactly_their_support(impl, seed):
-    sample = impl("stage04_batching.engine").sample
+    sample = impl("stage04_batching.sampling").sample
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(20, generator=gen) * 2
     order = logits.argsort(descending=True).tolist()
@@ -41,7 +41,7 @@ def test_top_k_and_top_p_keep_exactly_their_support(impl, seed):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_greedy_ties_and_top_k_of_one(impl, seed):
-    sample = impl("stage04_batching.engine").sample
+    sample = impl("stage04_batching.sampling").sample
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(30, generator=gen)
     tied = sorted(torch.randperm(30, generator=gen)[:3].tolist())
@@ -128,7 +128,7 @@ def test_streamed_deltas_concatenate_to_the_text_and_never_break_utf8(impl, toke
 
 @pytest.mark.parametrize("seed", range(4))
 def test_find_stop_and_safe_length_against_brute_force(impl, seed):
-    eng = impl("stage04_batching.engine")
+    eng = impl("stage04_batching.sampling")
     rng = random.Random(seed)
     for _ in range(300):
         text = "".join(rng.choice("abc\ufffd") for _ in range(rng.randint(0, 9)))
