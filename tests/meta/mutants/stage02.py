@@ -330,4 +330,30 @@ MUTANTS = [
         replace="k_pos = torch.cat([cache.layers[0].slot_pos[None].clamp(min=0), q_pos], dim=1)",
         bug="forward_sliding treats empty ring slots as position 0",
     ),
+    dict(
+        file="sliding_window.py",
+        find=(
+            "        keys, values = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)\n"
+            "        keep = min(T, self.window)\n"
+            "        pos = torch.arange(self.length + T - keep, self.length + T)\n"
+            "        slots = pos % self.window\n"
+            "        self.k[:, :, slots] = k[:, :, T - keep :]\n"
+            "        self.v[:, :, slots] = v[:, :, T - keep :]\n"
+        ),
+        replace=(
+            "        keep = min(T, self.window)\n"
+            "        pos = torch.arange(self.length + T - keep, self.length + T)\n"
+            "        slots = pos % self.window\n"
+            "        self.k[:, :, slots] = k[:, :, T - keep :]\n"
+            "        self.v[:, :, slots] = v[:, :, T - keep :]\n"
+            "        keys, values = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)\n"
+        ),
+        bug="RingLayerCache.append writes the chunk into the ring before reading it (a chunk's early queries lose keys)",
+    ),
+    dict(
+        file="sliding_window.py",
+        find="k_pos = torch.cat([cache.layers[0].slot_pos[None], q_pos], dim=1)",
+        replace="k_pos = torch.cat([torch.arange(cache.length - cache.window, cache.length)[None], q_pos], dim=1)",
+        bug="forward_sliding assumes the ring holds its positions in ascending slot order",
+    ),
 ]
