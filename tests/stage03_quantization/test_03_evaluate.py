@@ -57,6 +57,27 @@ def test_evaluate_against_reference(impl):
     assert report.kl > 1e-4 and report.top1_agreement < 1.0, f"perturbed weights must show up: {report}"
 
 
+@pytest.mark.parametrize("n", [5, 7])
+def test_evaluate_weights_a_short_last_batch_by_its_windows(impl, n):
+    """evaluate runs the windows in batches; with n not a multiple of the batch the last one is short, and the
+    KL and agreement must still be the means over all n windows' positions, as if computed in one pass."""
+    mod = impl(MOD)
+    model, noisy = random_labkit_llama(2), random_labkit_llama(2)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(torch.randn_like(p, generator=torch.Generator().manual_seed(n)) * 0.05)
+    windows = random_tokens(n, 24, model.config.vocab_size, batch=n)
+    report = mod.evaluate(noisy, windows, reference=model, decode_repeats=0)
+    with torch.no_grad():
+        ref, cand = model(windows).float(), noisy(windows).float()
+    kl = F.kl_div(cand.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()
+    agreement = (ref.argmax(-1) == cand.argmax(-1)).float().mean()
+    assert report.kl == pytest.approx(kl.item(), rel=1e-4), f"n={n} windows: mean KL over every position"
+    assert report.top1_agreement == pytest.approx(agreement.item(), abs=1e-6), (
+        f"n={n} windows: agreement over every position, not a mean of per-batch means"
+    )
+
+
 def report(impl, ppl: float, agreement: float):
     return impl(MOD).Report(perplexity=ppl, weight_bytes=1, tokens_per_s=1.0, kl=0.0, top1_agreement=agreement)
 

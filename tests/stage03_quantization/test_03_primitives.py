@@ -180,6 +180,32 @@ def test_nf4_double_quantization_of_absmax(impl, seed):
     assert ((restored - absmax).abs() <= step / 2 * (1 + 1e-4)).all(), f"seed={seed}: error above half a step"
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("n,block_size", [(600, 256), (300, 64)])
+def test_double_quantization_scales_each_block_of_absmax_values_on_its_own(impl, seed, n, block_size):
+    """A 7B model has thousands of absmax values: several second-level blocks (the last one partial), whose
+    spreads differ by orders of magnitude. Each block's int8 step is its own max |absmax - mean| / 127."""
+    mod = impl(MOD)
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-n // block_size)
+    spread = torch.logspace(-3, 0, blocks)[torch.randperm(blocks, generator=g)]
+    absmax = 1.0 + torch.randn(n, generator=g) * spread.repeat_interleave(block_size)[:n]
+    codes, scales, offset = mod.double_quantize(absmax, block_size)
+    assert codes.dtype == torch.int8 and codes.shape == (n,), f"seed={seed}: one int8 code per absmax value"
+    assert scales.shape == (blocks, 1), f"seed={seed}: {n} values in blocks of {block_size} need {blocks} scales"
+    restored = mod.double_dequantize(codes, scales, offset, block_size)
+    for j in range(blocks):  # the slow obvious version, one block at a time
+        part = slice(j * block_size, (j + 1) * block_size)
+        centered = absmax[part].double() - absmax.double().mean()
+        step = centered.abs().max() / 127
+        assert scales[j, 0].item() == pytest.approx(step.item(), rel=1e-5), f"seed={seed}: block {j}'s scale"
+        err = (restored[part].double() - absmax[part].double()).abs().max()
+        assert err <= step / 2 * (1 + 1e-3), (
+            f"seed={seed} n={n} block_size={block_size}: block {j} (spread {spread[j]:.0e}) restored with error "
+            f"{err:.2e}, above half its own step {step / 2:.2e}"
+        )
+
+
 @pytest.mark.parametrize("name,fmax", [("float8_e4m3fn", 448.0), ("float8_e5m2", 57344.0)])
 def test_fp8_absmax_maps_to_the_format_max(impl, name, fmax):
     dtype = getattr(torch, name)

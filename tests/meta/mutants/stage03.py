@@ -175,6 +175,18 @@ MUTANTS = [
         replace="return dequantize_int8(padded, scales).reshape(-1)[: len(codes)]",
         bug="double_dequantize forgets to add the mean back",
     ),
+    dict(
+        file="primitives.py",
+        find="codes, scales = quantize_int8(centered.view(-1, block_size), per_row=True)",
+        replace="codes, scales = quantize_int8(centered.view(-1, block_size), per_row=False)",
+        bug="double_quantize uses one int8 scale for every block of absmax values",
+    ),
+    dict(
+        file="primitives.py",
+        find="codes, scales = quantize_int8(centered.view(-1, block_size), per_row=True)",
+        replace="codes, scales = quantize_int8(centered.view(block_size, -1).T, per_row=True)",
+        bug="double_quantize's blocks take every k-th absmax value instead of consecutive ones",
+    ),
     # FP8
     dict(
         file="primitives.py",
@@ -507,6 +519,18 @@ MUTANTS = [
         find='(increase <= max_ppl_increase_pct, f"perplexity',
         replace='(increase < max_ppl_increase_pct, f"perplexity',
         bug="quality_gate blocks a candidate exactly at the bound",
+    ),
+    dict(
+        file="evaluate.py",
+        find="report.kl = sum(len(w) * kl for w, (kl, _) in zip(batches, stats, strict=True)) / len(windows)",
+        replace="report.kl = sum(kl for kl, _ in stats) / len(stats)",
+        bug="evaluate averages the per-batch KL, over-weighting a short last batch",
+    ),
+    dict(
+        file="evaluate.py",
+        find="report.top1_agreement = sum(len(w) * a for w, (_, a) in zip(batches, stats, strict=True)) / len(windows)",
+        replace="report.top1_agreement = sum(a for _, a in stats) / len(stats)",
+        bug="evaluate averages the per-batch agreement, over-weighting a short last batch",
     ),
     dict(
         file="evaluate.py",
