@@ -7,13 +7,17 @@ from stage05_helpers import peaked, qkv, reference_lse, sdpa
 MODULE = "stage05_flashattention.flash_attention"
 
 
-# seed, H, H_kv, T, D, BLOCK_M, BLOCK_N, causal: GQA 1/2/4, T off the block grid (and below one block)
+# seed, H, H_kv, T, D, BLOCK_M, BLOCK_N, causal: GQA 1/2/4, T off the block grid (and below one block), and
+# causal Q tiles taller than K tiles (a Q tile's diagonal then spans several K tiles, so the last one it needs
+# ends at its own last row, not at BLOCK_N past its first)
 CASES = [
     (0, 2, 2, 37, 16, 16, 16, True),
     (1, 4, 2, 45, 32, 32, 16, False),
     (2, 4, 1, 50, 16, 16, 32, True),
     (3, 2, 1, 20, 64, 32, 32, False),
     (4, 4, 1, 33, 32, 16, 16, False),
+    (5, 2, 1, 70, 16, 32, 16, True),
+    (6, 4, 2, 40, 32, 64, 16, True),
 ]
 
 
@@ -37,15 +41,19 @@ def test_flash_attention_keeps_the_running_max_across_tiles(impl, causal):
     )
 
 
-@pytest.mark.parametrize("seed,causal", [(5, True), (6, False)])
-def test_flash_attention_returns_logsumexp(impl, seed, causal):
+@pytest.mark.parametrize("seed,causal,block_m,block_n", [(5, True, 16, 16), (6, False, 16, 16), (10, True, 32, 16)])
+def test_flash_attention_returns_logsumexp(impl, seed, causal, block_m, block_n):
     q, k, v = qkv(seed, 1, 4, 2, 40, 16)
-    _, lse = impl(MODULE).flash_attention(q, k, v, causal=causal, block_m=16, block_n=16)
+    _, lse = impl(MODULE).flash_attention(q, k, v, causal=causal, block_m=block_m, block_n=block_n)
     assert lse.shape == (1, 4, 40) and lse.dtype == torch.float32, (
         f"lse must be (B, H, T) float32, got {lse.shape} {lse.dtype}"
     )
     torch.testing.assert_close(
-        lse, reference_lse(q, k, causal), atol=1e-5, rtol=1e-5, msg=f"natural-log lse (seed={seed})"
+        lse,
+        reference_lse(q, k, causal),
+        atol=1e-5,
+        rtol=1e-5,
+        msg=f"natural-log lse (seed={seed}, blocks=({block_m},{block_n}))",
     )
 
 

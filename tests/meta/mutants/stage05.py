@@ -170,6 +170,12 @@ MUTANTS = [
     ),
     dict(
         file="flash_attention.py",
+        find="hi = tl.minimum((start_m + 1) * BLOCK_M, T) if CAUSAL else T",
+        replace="hi = tl.minimum((start_m + 1) * BLOCK_N, T) if CAUSAL else T",
+        bug="causal flash kernel stops the key loop BLOCK_N past the tile, not at its last query row",
+    ),
+    dict(
+        file="flash_attention.py",
         find="keep = cols[None, :] < T\n",
         replace="keep = cols[None, :] < cols[None, :] + 1\n",
         bug="flash kernel does not mask key columns past T (padding keys get weight)",
