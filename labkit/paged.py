@@ -28,7 +28,7 @@ class PagedKVStore:
     k[layer], v[layer]: (num_blocks * block_size, n_kv_heads, head_dim) — one row per slot.
     """
 
-    def __init__(self, model: Llama, num_blocks: int, block_size: int = 16):
+    def __init__(self, model: Llama, num_blocks: int, block_size: int):
         c = model.config
         refuse_extras(
             c, "labkit.paged", supported=("attention_bias", "o_proj_bias", "mlp_bias", "qk_norm", "rope_scaling")

@@ -14,6 +14,7 @@ import torch
 from labkit.model import Llama
 
 from .block_manager import BlockManager
+from .config import EngineConfig
 from .engine import run_batch
 from .paged_attention import PagedKVCache
 from .sequence import SamplingParams, Sequence
@@ -49,7 +50,7 @@ def sequential(model: Llama, prompts: list[list[int]], max_tokens: list[int]) ->
 
 @torch.inference_mode()
 def static_batching(
-    model: Llama, prompts: list[list[int]], max_tokens: list[int], batch_size: int, block_size: int = 16
+    model: Llama, prompts: list[list[int]], max_tokens: list[int], batch_size: int, block_size: int = EngineConfig.block_size
 ) -> list[Result]:
     """Serve the requests in arrival order, batch_size at a time; a batch returns when its longest is done."""
     arrival = time.perf_counter()

@@ -23,6 +23,7 @@ from labkit.model import Llama, apply_rope, refuse_extras
 
 from .block_manager import BlockManager
 from .byte_dfa import compile_regex
+from .config import EngineConfig
 from .paged_attention import PagedKVCache, paged_attention, slot_mapping
 from .sampling import find_stop, safe_length, sample
 from .scheduler import Scheduler
@@ -113,25 +114,18 @@ def run_batch(model: Llama, cache: PagedKVCache, seqs: list[Sequence], num_token
 
 
 class LLMEngine:
-    def __init__(
-        self,
-        model: Llama,
-        tokenizer=None,
-        num_blocks: int = 256,
-        block_size: int = 16,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 512,
-        enable_prefix_caching: bool = True,
-    ):
-        """model: labkit Llama (eval); tokenizer: a `tokenizers.Tokenizer`, needed for str prompts and text."""
+    def __init__(self, model: Llama, tokenizer=None, config: EngineConfig | None = None, **settings):
+        """model: labkit Llama (eval); tokenizer: a `tokenizers.Tokenizer`, needed for str prompts and text.
+        config: the engine's settings (config.py); keyword settings override fields of it (num_blocks=64)."""
+        self.config = c = (config or EngineConfig()).replace(**settings)
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.cache = PagedKVCache(model.config, num_blocks, block_size, next(model.parameters()).dtype)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.block_manager = BlockManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
+        self.cache = PagedKVCache(model.config, c.num_blocks, c.block_size, next(model.parameters()).dtype)
+        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
-        self.max_model_len = min(model.config.max_position_embeddings, num_blocks * block_size)
+        self.max_model_len = c.context_length(model.config.max_position_embeddings)
         # paged_attention has no sliding window: refuse one that a sequence could outgrow.
         refuse_extras(model.config, "stage04's paged engine", SUPPORTED_EXTRAS, self.max_model_len)
         # Called with each sequence of a batch just before the forward pass; tests and

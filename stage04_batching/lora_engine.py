@@ -22,9 +22,9 @@ from .sequence import SamplingParams, Sequence
 
 
 class LoRAEngine(LLMEngine):
-    def __init__(self, model: Llama, tokenizer=None, registry: AdapterRegistry | None = None, **engine_kw):
+    def __init__(self, model: Llama, tokenizer=None, registry: AdapterRegistry | None = None, config=None, **settings):
         """Like LLMEngine; `model`'s linear layers are wrapped in place (unchanged while no adapter runs)."""
-        super().__init__(model, tokenizer, **engine_kw)
+        super().__init__(model, tokenizer, config, **settings)
         self.registry = registry or AdapterRegistry(model.config, {})
         self.mapping = LoRAMapping()
         add_lora_layers(self.model, self.registry, self.mapping)

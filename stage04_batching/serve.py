@@ -18,6 +18,7 @@ from labkit.model import from_pretrained
 from labkit.serving import fail_on_marker
 
 from .api_server import create_app
+from .config import EngineConfig
 from .engine import LLMEngine
 from .lora import AdapterRegistry
 from .lora_engine import LoRAEngine
@@ -38,9 +39,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default=os.environ.get("MODEL") or str(TARGET), help="a Llama-family HF folder")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--max-num-seqs", type=int, default=32)
-    ap.add_argument("--num-blocks", type=int, default=1024)
-    ap.add_argument("--max-waiting", type=int, default=128)
+    ap.add_argument("--max-waiting", type=int, default=128, help="requests that may wait for admission before 429")
     ap.add_argument(
         "--lora-modules",
         nargs="*",
@@ -55,15 +54,19 @@ def main(argv=None) -> None:
         help="requests whose prompt holds this text fail inside the engine step "
         "(to check fault isolation with labkit.bench.loadtest --chaos)",
     )
+    EngineConfig.add_cli_args(ap)
     args = ap.parse_args(argv)
     tokenizer = load_tokenizer(args.model)
-    engine_kw = dict(num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs)
+    try:
+        config = EngineConfig.from_cli_args(args)
+    except ValueError as e:
+        ap.error(str(e))
     model = from_pretrained(args.model)
     if args.lora_modules:
         registry = AdapterRegistry(model.config, lora_modules(args.lora_modules), max_loras=args.max_loras)
-        engine = LoRAEngine(model, tokenizer, registry, **engine_kw)
+        engine = LoRAEngine(model, tokenizer, registry, config)
     else:
-        engine = LLMEngine(model, tokenizer, **engine_kw)
+        engine = LLMEngine(model, tokenizer, config)
     if args.fault_marker:
         engine.fault_hook = fail_on_marker(tokenizer, args.fault_marker)
     app = create_app(

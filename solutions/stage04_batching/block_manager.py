@@ -28,7 +28,7 @@ def hash_block(parent_hash: int | None, token_ids: Tokens[int]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]

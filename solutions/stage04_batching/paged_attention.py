@@ -14,11 +14,14 @@ class PagedKVCache:
     """Per layer, a K pool and a V pool of shape (num_blocks, block_size, n_kv_heads, head_dim),
     allocated once; sequences own blocks of it through their block tables."""
 
-    def __init__(self, config: Config, num_blocks: int, block_size: int = 16, dtype=torch.float32):
+    def __init__(self, config: Config, num_blocks: int, block_size: int, dtype=torch.float32):
         shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.block_size = block_size
+
+    @property
+    def block_size(self) -> int:
+        return self.k[0].shape[1]  # read from the pool itself, so it cannot disagree with the block manager's
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store the K/V of N new tokens of one layer.

@@ -43,3 +43,35 @@ def test_serve_takes_the_model_from_the_flag_then_MODEL_then_the_tiny_target(sta
     monkeypatch.setenv("MODEL", str(mine))
     assert started() == (["my-model"], [str(mine)]), "MODEL=path make serve serves that folder"
     assert started("--model", str(TARGET)) == ([TARGET.name], [str(TARGET)]), "--model wins over $MODEL"
+
+
+@pytest.mark.slow  # loads the tiny target
+def test_serve_flags_carry_vllm_names_into_every_part_of_the_engine(monkeypatch):
+    serve = impl.load("stage04_batching.serve", impl="solution")
+    config_mod = impl.load("stage04_batching.config", impl="solution")
+    apps = []
+    monkeypatch.setattr(serve.uvicorn, "run", lambda app, **kw: apps.append(app))
+    serve.main(
+        ["--model", str(TARGET), "--block-size", "8", "--num-gpu-blocks-override", "40", "--max-num-seqs", "3"]
+        + ["--max-num-batched-tokens", "64", "--max-model-len", "200", "--no-enable-prefix-caching"]
+    )
+    engine = apps[0].state.core.engine
+    want = config_mod.EngineConfig(8, 40, 3, 64, 200, False)
+    assert engine.config == want, f"the flags should build {want}, the engine holds {engine.config}"
+    bm, sched = engine.block_manager, engine.scheduler
+    assert (bm.num_blocks, bm.block_size, bm.enable_prefix_caching, engine.cache.block_size) == (40, 8, False, 8)
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens, engine.max_model_len) == (3, 64, 200)
+    serve.main(["--model", str(TARGET)])
+    assert apps[1].state.core.engine.config == config_mod.EngineConfig(), "without flags: EngineConfig's defaults"
+
+
+def test_engine_config_refuses_settings_it_cannot_honour():
+    EngineConfig = impl.load("stage04_batching.config", impl="solution").EngineConfig
+    with pytest.raises(ValueError, match="block_size must be a positive integer"):
+        EngineConfig(block_size=0)
+    with pytest.raises(ValueError, match="max_model_len=5000 exceeds .* 64 blocks x 16 tokens = 1024"):
+        EngineConfig(num_blocks=64, max_model_len=5000).context_length(4096)
+    assert EngineConfig(num_blocks=64).context_length(512) == 512, "the model's positions bound the context"
+    assert EngineConfig(num_blocks=8).context_length(512) == 128, "so does the pool"
+    with pytest.raises(TypeError, match="no engine setting blocksize"):
+        EngineConfig().replace(blocksize=8)
