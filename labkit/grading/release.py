@@ -5,7 +5,7 @@
 
 The edition is made from the files git tracks in this checkout (run it on a clean `main`), so the
 same commit always gives the same edition. It leaves out the reference solutions, the mutation
-catalogue and its target, and the instructors' part of the README; it checks that no notebook,
+catalogue and its target, INSTRUCTORS.md and the README's pointer to it; it checks that no notebook,
 benchmark or module it keeps imports the solutions. Regenerating on a branch adds a commit on top
 of the previous edition, so learners who cloned it pull later fixes as a fast-forward.
 """
@@ -23,7 +23,13 @@ from pathlib import Path
 
 from .. import ROOT
 
-LEFT_OUT = ("solutions/", "tests/meta/mutants/", "labkit/grading/mutants.py", "tests/meta/test_mutants.py")
+LEFT_OUT = (
+    "solutions/",
+    "tests/meta/mutants/",
+    "labkit/grading/mutants.py",
+    "tests/meta/test_mutants.py",
+    "INSTRUCTORS.md",
+)
 INSTRUCTORS = re.compile(r"<!-- instructors-only -->.*?<!-- /instructors-only -->\n?", re.S)
 POINTER = (
     "*This is the learner edition of the course. The reference solutions and the instructors' notes "
