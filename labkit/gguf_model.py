@@ -101,6 +101,9 @@ def fields(reader) -> dict:
             out[key] = np.concatenate([field.parts[i] for i in field.data]).tolist() if field.data else []
         elif kind == GGUFValueType.STRING:
             out[key] = bytes(field.parts[field.data[0]]).decode("utf-8")
+        elif kind == GGUFValueType.FLOAT32:
+            # the shortest decimal that is this float32: 1e-05 as config.json had it, not 9.999999747378752e-06
+            out[key] = float(str(field.parts[field.data[0]][0]))
         else:
             out[key] = field.parts[field.data[0]][0].item()
     return out
@@ -202,6 +205,8 @@ def build_tokenizer(meta: dict, path):
         )
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)  # 1: a normal token
+    if "tokenizer.ggml.merges" not in meta:
+        raise GGUFError(f"{path}: the byte-level vocabulary has no tokenizer.ggml.merges; BPE needs them.")
     merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
     split = PRE_TOKENIZERS[pre]

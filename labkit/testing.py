@@ -2,9 +2,12 @@
 conversions between them and labkit's model. The references the tests compare against come
 from these HF models, never from the solutions."""
 
+import functools
+
 import numpy as np
 import torch
 
+from .checkpoint import load_tokenizer, require_real_model
 from .model import Config, Llama, init_weights
 
 # Configs that exercise the corners: GQA ratios 1, 2, 4, MQA, odd head counts, tied and untied.
@@ -318,3 +321,40 @@ def check_numpy_greedy(generate, forward, to_params, hf_model, seed: int, prompt
     expected = hf_greedy(hf_model, prompt, 12)
     got = generate(forward, to_params(hf_model), prompt, 12)
     assert got == expected, f"{what} (seed={seed}) prompt {prompt}: got {got}, HF generate(do_sample=False) {expected}"
+
+
+# Text for the real-model tests: prose, code, numbers, unicode and a chat turn, so that every kind of
+# token the vocabulary has takes part. Written for the course; nothing is downloaded.
+REAL_TEXT = (
+    "The key-value cache keeps the keys and values of every past token, so that each new token costs one "
+    "matrix-vector product per weight instead of a whole forward pass. On a 2-core CPU the weights, "
+    "538 MB in float32, are read once per token: decode is bound by memory bandwidth.\n\n"
+    "def softmax(x):\n    m = max(x)\n    e = [math.exp(v - m) for v in x]\n    return [v / sum(e) for v in e]\n\n"
+    "Café, naïve, Straße, 東京, 🤖 — 3.14159 × 10^5 ≠ 314159.\n"
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+)
+
+
+@functools.cache
+def real_hf():
+    """The real model (SmolLM2-135M-Instruct, the folder `make setup` converts) as transformers'
+    LlamaForCausalLM, float32, eval mode; loaded once per process. Fails, never skips, when it is missing."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(require_real_model(), dtype=torch.float32).eval()
+
+
+@functools.cache
+def real_labkit() -> Llama:
+    """The real model as labkit's Llama, float32, eval mode; loaded once per process."""
+    from .model import from_pretrained
+
+    return from_pretrained(require_real_model()).eval()
+
+
+def real_ids(length: int | None = None) -> torch.Tensor:
+    """REAL_TEXT as the real model's token ids, (T,) int64, cut to `length` tokens."""
+    ids = load_tokenizer(require_real_model()).encode(REAL_TEXT).ids
+    if length is not None and length > len(ids):
+        raise ValueError(f"REAL_TEXT has {len(ids)} tokens; ask for at most that many")
+    return torch.tensor(ids[:length], dtype=torch.long)

@@ -37,8 +37,8 @@ from .junit import _cases
 CATALOGUE = ROOT / "tests" / "meta" / "mutants"
 ROWS = tuple(STAGES)  # 01, 02, 02b, ...: a part 2 row has a catalogue of its own
 MIN_MUTANTS = {"part 1": 25, "part 2": 15}  # part 2 rows have fewer TODOs
-# Files that take tens of seconds whatever the mutant (process groups, AOT compiles): run them last.
-_SLOW_FILE = re.compile(r"pytestmark\s*=.*\b(dist|slow|gpu)\b")
+# Files that take tens of seconds whatever the mutant (process groups, AOT compiles, the real model): run them last.
+_SLOW_FILE = re.compile(r"pytestmark\s*=.*\b(dist|slow|gpu|real)\b")
 _TODO = re.compile(r'(raise NotImplementedError\(|tl\.static_assert\(False,)\s*f?"stage\d\d')
 
 
