@@ -50,7 +50,6 @@ MUTANTS = [
         find="            if block_id is None or self.blocks[block_id].token_ids != chunk:\n                break",
         replace="            if block_id is None or self.blocks[block_id].token_ids != chunk:\n                continue",
         bug="match_prefix skips a missing block and keeps matching later ones",
-        equivalent="free() queues a chain tail-first, so a cached block is always evicted before its parent: a later block of a chain is never cached after a miss",
     ),
     dict(
         file="block_manager.py",
@@ -426,5 +425,64 @@ MUTANTS = [
         find="n_kv, K = k_pool.shape[2], int(context_lens.max())",
         replace="n_kv, K = k_pool.shape[2], int(context_lens.max()) + 1",
         bug="paged_attention's decode path reads one unwritten slot past the longest context (unmasked alone)",
+    ),
+    # issue #37: edges (test_04_edges.py)
+    dict(
+        file="block_manager.py",
+        find="for i in range(seq.num_computed_tokens // bs):",
+        replace="for i in range(seq.num_tokens // bs):",
+        bug="cache_blocks registers every full block of the prompt, computed or not (a request arriving mid-prefill hits empty K/V)",
+    ),
+    dict(
+        file="sampling.py",
+        find=(
+            "    logits = logits.float() / params.temperature\n"
+            "    if params.top_k > 0:\n"
+            "        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]\n"
+            "        logits = logits.masked_fill(logits < kth, float(\"-inf\"))\n"
+            "    if params.top_p < 1:\n"
+            "        sorted_logits, order = torch.sort(logits, descending=True)\n"
+            "        probs = torch.softmax(sorted_logits, -1)\n"
+            "        outside = torch.cumsum(probs, -1) - probs >= params.top_p  # the mass before it already reaches top_p\n"
+            "        logits = logits.scatter(0, order, sorted_logits.masked_fill(outside, float(\"-inf\")))\n"
+            "    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))"
+        ),
+        replace=(
+            "    logits = logits.float()\n"
+            "    if params.top_k > 0:\n"
+            "        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]\n"
+            "        logits = logits.masked_fill(logits < kth, float(\"-inf\"))\n"
+            "    if params.top_p < 1:\n"
+            "        sorted_logits, order = torch.sort(logits, descending=True)\n"
+            "        probs = torch.softmax(sorted_logits, -1)\n"
+            "        outside = torch.cumsum(probs, -1) - probs >= params.top_p  # the mass before it already reaches top_p\n"
+            "        logits = logits.scatter(0, order, sorted_logits.masked_fill(outside, float(\"-inf\")))\n"
+            "    return int(torch.multinomial(torch.softmax(logits / params.temperature, -1), 1, generator=generator))"
+        ),
+        bug="sample applies the temperature after top-p has chosen the nucleus",
+    ),
+    dict(
+        file="sampling.py",
+        find=(
+            "    if params.top_k > 0:\n"
+            "        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]\n"
+            "        logits = logits.masked_fill(logits < kth, float(\"-inf\"))\n"
+            "    if params.top_p < 1:\n"
+            "        sorted_logits, order = torch.sort(logits, descending=True)\n"
+            "        probs = torch.softmax(sorted_logits, -1)\n"
+            "        outside = torch.cumsum(probs, -1) - probs >= params.top_p  # the mass before it already reaches top_p\n"
+            "        logits = logits.scatter(0, order, sorted_logits.masked_fill(outside, float(\"-inf\")))\n"
+        ),
+        replace=(
+            "    if params.top_p < 1:\n"
+            "        sorted_logits, order = torch.sort(logits, descending=True)\n"
+            "        probs = torch.softmax(sorted_logits, -1)\n"
+            "        outside = torch.cumsum(probs, -1) - probs >= params.top_p  # the mass before it already reaches top_p\n"
+            "        logits = logits.scatter(0, order, sorted_logits.masked_fill(outside, float(\"-inf\")))\n"
+            "    if params.top_k > 0:\n"
+            "        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]\n"
+            "        logits = logits.masked_fill(logits < kth, float(\"-inf\"))\n"
+        ),
+        bug="sample measures the top-p mass over the whole vocabulary, before top-k",
     ),
 ]
