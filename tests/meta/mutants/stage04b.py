@@ -307,4 +307,35 @@ MUTANTS = [
         replace='",".join(members)',
         bug="schema_to_regex allows no space around the comma between members (json.dumps output rejected)",
     ),
+    # issue #37: edges (test_04b_edges.py)
+    dict(
+        file="structured.py",
+        find="        todo = [(root, s)]\n",
+        replace="        todo = [] if s in dfa.accepting else [(root, s)]\n",
+        bug="build_token_index allows only EOS in an accepting state, even one the match can continue from",
+    ),
+    dict(
+        file="structured.py",
+        find="return int(allowed.sum()) - int(allowed[self.index.eos_token_id]) == 0",
+        replace="return bool(allowed[self.index.eos_token_id])",
+        bug="Guide.is_finished as soon as EOS is allowed (stops [0-9]+ after its first digit)",
+    ),
+    dict(
+        file="structured.py",
+        find="more = f\"(?:{WS},{WS}{item}){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}\"",
+        replace="more = f\"(?:{WS},{WS}{item}){{{max(lo - 1, 0)},{max(lo - 1, 0) if hi is None else hi - 1}}}\"",
+        bug="schema_to_regex reads a missing maxItems as minItems (an open array takes exactly minItems items)",
+    ),
+    dict(
+        file="structured.py",
+        find='lo, hi = schema.get("minItems", 0), schema.get("maxItems")',
+        replace='lo, hi = schema.get("minItems", 0), schema.get("maxItems", 0)',
+        bug="schema_to_regex reads a missing maxItems as 0 (an open array only takes [])",
+    ),
+    dict(
+        file="structured.py",
+        find="""        return f'"{STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'""",
+        replace="""        return f'"{STRING_CHAR}{{{lo},{lo if hi is None else hi}}}"'""",
+        bug="schema_to_regex reads a missing maxLength as minLength",
+    ),
 ]
