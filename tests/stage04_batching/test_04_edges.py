@@ -104,7 +104,9 @@ def test_requests_sharing_a_prefix_arrive_while_it_is_being_prefilled(impl, seed
             outputs[out.request_id] = out
     ref = reference(model, prompts, [6] * 4)
     for i, rid in enumerate(ids):
-        assert outputs[rid].token_ids == ref[i], f"seed={seed}: request {i} gave {outputs[rid].token_ids}, alone {ref[i]}"
+        assert outputs[rid].token_ids == ref[i], (
+            f"seed={seed}: request {i} gave {outputs[rid].token_ids}, alone {ref[i]}"
+        )
     assert engine.block_manager.num_used_blocks == 0, f"seed={seed}: finished requests must free their blocks"
 
 
@@ -137,9 +139,7 @@ def test_a_match_stops_at_the_first_evicted_block(impl, seed):
     tokens = prompt[:12] + [rng.randrange(100, 200)]
     hits = bm.match_prefix(tokens)
     _hits_hold_their_own_tokens(bm, hits, tokens, f"seed={seed}")
-    assert hits and hits[0] in x_blocks, (
-        f"seed={seed}: block x is still cached and must hit, got {hits}"
-    )
+    assert hits and hits[0] in x_blocks, f"seed={seed}: block x is still cached and must hit, got {hits}"
 
 
 @pytest.mark.parametrize("seed", range(4))

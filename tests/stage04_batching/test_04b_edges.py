@@ -56,7 +56,11 @@ def test_an_accepting_state_allows_eos_and_whatever_continues_the_match(impl, pa
         guide, text = structured.Guide(index), ""
         for _ in range(8):
             allowed = guide.allowed()
-            want = {t for t, data in enumerate(VOCAB) if data and can_continue_to_a_match(pattern, text + data.decode(), alphabet)}
+            want = {
+                t
+                for t, data in enumerate(VOCAB)
+                if data and can_continue_to_a_match(pattern, text + data.decode(), alphabet)
+            }
             if re.fullmatch(pattern, text):
                 want.add(EOS)
             got = set(allowed.nonzero().flatten().tolist())
@@ -100,7 +104,10 @@ ARRAY_SCHEMAS = {
     "nested-open": {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1}},
     "in-an-object": {
         "type": "object",
-        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 2}}, "n": {"type": "integer"}},
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 2}},
+            "n": {"type": "integer"},
+        },
         "required": ["tags", "n"],
     },
 }

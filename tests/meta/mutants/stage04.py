@@ -439,24 +439,24 @@ MUTANTS = [
             "    logits = logits.float() / params.temperature\n"
             "    if params.top_k > 0:\n"
             "        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]\n"
-            "        logits = logits.masked_fill(logits < kth, float(\"-inf\"))\n"
+            '        logits = logits.masked_fill(logits < kth, float("-inf"))\n'
             "    if params.top_p < 1:\n"
             "        sorted_logits, order = torch.sort(logits, descending=True)\n"
             "        probs = torch.softmax(sorted_logits, -1)\n"
             "        outside = torch.cumsum(probs, -1) - probs >= params.top_p  # the mass before it already reaches top_p\n"
-            "        logits = logits.scatter(0, order, sorted_logits.masked_fill(outside, float(\"-inf\")))\n"
+            '        logits = logits.scatter(0, order, sorted_logits.masked_fill(outside, float("-inf")))\n'
             "    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))"
         ),
         replace=(
             "    logits = logits.float()\n"
             "    if params.top_k > 0:\n"
             "        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]\n"
-            "        logits = logits.masked_fill(logits < kth, float(\"-inf\"))\n"
+            '        logits = logits.masked_fill(logits < kth, float("-inf"))\n'
             "    if params.top_p < 1:\n"
             "        sorted_logits, order = torch.sort(logits, descending=True)\n"
             "        probs = torch.softmax(sorted_logits, -1)\n"
             "        outside = torch.cumsum(probs, -1) - probs >= params.top_p  # the mass before it already reaches top_p\n"
-            "        logits = logits.scatter(0, order, sorted_logits.masked_fill(outside, float(\"-inf\")))\n"
+            '        logits = logits.scatter(0, order, sorted_logits.masked_fill(outside, float("-inf")))\n'
             "    return int(torch.multinomial(torch.softmax(logits / params.temperature, -1), 1, generator=generator))"
         ),
         bug="sample applies the temperature after top-p has chosen the nucleus",
@@ -466,22 +466,22 @@ MUTANTS = [
         find=(
             "    if params.top_k > 0:\n"
             "        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]\n"
-            "        logits = logits.masked_fill(logits < kth, float(\"-inf\"))\n"
+            '        logits = logits.masked_fill(logits < kth, float("-inf"))\n'
             "    if params.top_p < 1:\n"
             "        sorted_logits, order = torch.sort(logits, descending=True)\n"
             "        probs = torch.softmax(sorted_logits, -1)\n"
             "        outside = torch.cumsum(probs, -1) - probs >= params.top_p  # the mass before it already reaches top_p\n"
-            "        logits = logits.scatter(0, order, sorted_logits.masked_fill(outside, float(\"-inf\")))\n"
+            '        logits = logits.scatter(0, order, sorted_logits.masked_fill(outside, float("-inf")))\n'
         ),
         replace=(
             "    if params.top_p < 1:\n"
             "        sorted_logits, order = torch.sort(logits, descending=True)\n"
             "        probs = torch.softmax(sorted_logits, -1)\n"
             "        outside = torch.cumsum(probs, -1) - probs >= params.top_p  # the mass before it already reaches top_p\n"
-            "        logits = logits.scatter(0, order, sorted_logits.masked_fill(outside, float(\"-inf\")))\n"
+            '        logits = logits.scatter(0, order, sorted_logits.masked_fill(outside, float("-inf")))\n'
             "    if params.top_k > 0:\n"
             "        kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]\n"
-            "        logits = logits.masked_fill(logits < kth, float(\"-inf\"))\n"
+            '        logits = logits.masked_fill(logits < kth, float("-inf"))\n'
         ),
         bug="sample measures the top-p mass over the whole vocabulary, before top-k",
     ),

@@ -323,7 +323,7 @@ MUTANTS = [
     dict(
         file="structured.py",
         find="more = f\"(?:{WS},{WS}{item}){{{max(lo - 1, 0)},{'' if hi is None else hi - 1}}}\"",
-        replace="more = f\"(?:{WS},{WS}{item}){{{max(lo - 1, 0)},{max(lo - 1, 0) if hi is None else hi - 1}}}\"",
+        replace='more = f"(?:{WS},{WS}{item}){{{max(lo - 1, 0)},{max(lo - 1, 0) if hi is None else hi - 1}}}"',
         bug="schema_to_regex reads a missing maxItems as minItems (an open array takes exactly minItems items)",
     ),
     dict(
