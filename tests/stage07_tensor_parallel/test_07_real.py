@@ -16,11 +16,16 @@ NEW_TOKENS = 8
 
 def tp_greedy(folder: str, prompt: list[int], n_new: int) -> list[int]:
     """Worker: this rank's shard of the real model, greedy decoding (every rank returns the same tokens)."""
+    import torch
+
     from labkit.checkpoint import load_state_dict
     from labkit.impl import load
 
     tp = load("stage07_tensor_parallel.tp_model")
     config = Config.from_hf(read_config(folder))
+    # TPLlama first builds the full-size Llama; its random init of 135 M parameters costs seconds per rank
+    # and every weight is overwritten by the strict load below, so this process skips it.
+    torch.nn.Linear.reset_parameters = torch.nn.Embedding.reset_parameters = lambda self: None
     model = tp.TPLlama(config).eval()
     model.load_state_dict(tp.shard_state_dict(load_state_dict(folder), dist.get_rank(), dist.get_world_size(), config))
     return model.generate(prompt, n_new, stop_at_eos=False)
