@@ -216,11 +216,13 @@ def file_metadata(path: Path) -> tuple[dict, list[str]]:
     ]
 
 
-def small_llama(seed: int, tied: bool, n_kv: int = 2):
-    # rows of 256 so that every block type fits; a vocabulary that holds the tiny target's tokens
+def small_llama(seed: int, tied: bool, n_kv: int = 2, head_dim: int = 64):
+    # rows of 256 so that every block type fits; a vocabulary that holds the tiny target's tokens;
+    # RoPE θ and RMSNorm ε away from the defaults, so that a value read from the wrong key shows
     return random_llama(
-        seed, vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=4,
-        num_key_value_heads=n_kv, tie_word_embeddings=tied, rope_parameters={"rope_type": "default", "rope_theta": 100_000.0},
+        seed, vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=4, head_dim=head_dim,
+        num_key_value_heads=n_kv, tie_word_embeddings=tied, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 100_000.0},
     )  # fmt: skip
 
 
@@ -234,17 +236,18 @@ CONFIG_KEYS = [
 
 
 @pytest.mark.parametrize(
-    ("seed", "tied", "n_kv", "key_length"), [(0, True, 2, True), (1, False, 1, False), (2, True, 4, False)]
+    ("seed", "tied", "n_kv", "head_dim", "key_length"),
+    [(0, True, 2, 32, True), (1, False, 1, 64, False), (2, True, 4, 64, False), (3, False, 2, 128, True)],
 )
-def test_03b_config_from_gguf_matches_transformers(impl, tmp_path, seed, tied, n_kv, key_length):
+def test_03b_config_from_gguf_matches_transformers(impl, tmp_path, seed, tied, n_kv, head_dim, key_length):
     from transformers import AutoConfig
 
-    model = small_llama(seed, tied, n_kv)
+    model = small_llama(seed, tied, n_kv, head_dim)
     path = write_gguf(tmp_path / "m.gguf", model, seed, key_length=key_length)
     got = impl(MOD).config_from_gguf(*file_metadata(path))
     theirs = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name).to_dict()
     original = model.config.to_dict()
-    case = f"seed={seed}, tied={tied}, kv heads {n_kv}, key_length {'written' if key_length else 'absent'}"
+    case = f"seed={seed}, tied={tied}, kv heads {n_kv}, head_dim {head_dim}, key_length {'written' if key_length else 'absent'}"
     for key in CONFIG_KEYS:
         assert got.get(key) == theirs[key] == original[key], (
             f"{case}: {key} is {got.get(key)!r}; transformers reads {theirs[key]!r} and the model had {original[key]!r}"
