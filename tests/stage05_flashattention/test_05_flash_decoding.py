@@ -69,7 +69,10 @@ def paged(seed, H, H_kv, D, page, max_blocks):
     return q, k_pool, v_pool, block_tables, seq_lens, k_dense.transpose(1, 2), v_dense.transpose(1, 2)
 
 
-@pytest.mark.parametrize("seed,H,H_kv,page,num_splits", [(0, 2, 2, 16, 1), (1, 4, 2, 8, 2), (2, 4, 1, 16, 3)])
+# the last case has more splits than pages: three splits own no page at all
+@pytest.mark.parametrize(
+    "seed,H,H_kv,page,num_splits", [(0, 2, 2, 16, 1), (1, 4, 2, 8, 2), (2, 4, 1, 16, 3), (3, 4, 2, 8, 8)]
+)
 def test_paged_flash_decode_reads_kv_through_the_block_table(impl, seed, H, H_kv, page, num_splits):
     q, k_pool, v_pool, block_tables, seq_lens, k, v = paged(seed, H, H_kv, 32, page, max_blocks=5)
     got = impl(MODULE).paged_flash_decode(q, k_pool, v_pool, block_tables, seq_lens, num_splits=num_splits)
