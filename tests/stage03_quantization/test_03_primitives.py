@@ -140,16 +140,17 @@ def test_nf4_codebook_is_the_bitsandbytes_table(impl):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_nf4_picks_the_nearest_code_per_block(impl, seed):
-    w = torch.randn(16, 192, generator=torch.Generator().manual_seed(seed))
+@pytest.mark.parametrize("shape", [(16, 192), (12, 80)])  # (12, 80): blocks of 64 run across rows
+def test_nf4_picks_the_nearest_code_per_block(impl, seed, shape):
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
     codes, absmax = impl(MOD).quantize_nf4(w, block_size=64)
     blocks = w.reshape(-1, 64)
-    torch.testing.assert_close(absmax, blocks.abs().amax(1), msg=f"seed={seed}: absmax per block of 64")
+    torch.testing.assert_close(absmax, blocks.abs().amax(1), msg=f"seed={seed} {shape}: absmax per block of 64")
     table = torch.tensor(NF4_PUBLISHED)
     nearest = table[(blocks / absmax[:, None])[..., None].sub(table).abs().argmin(-1)]  # brute force
     expected = (nearest * absmax[:, None]).reshape(w.shape)
     got = impl(MOD).dequantize_nf4(codes, absmax)
-    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0, msg=f"seed={seed}: not the nearest NF4 level")
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=0, msg=f"seed={seed} {shape}: not the nearest NF4 level")
     assert codes.dtype == torch.uint8 and int(codes.max()) <= 15, f"seed={seed}: NF4 codes are 4-bit uint8"
 
 
