@@ -6,11 +6,16 @@
     python -m labkit.grading.grade --submission ~/my-course-copy    (instructors)
 
 A row's score is computed over its canonical test IDs, collected before any learner code is
-imported. Outcomes come back one test at a time through a pipe (labkit.grading.outcomes), and a test
-that never reports (a crash, an early exit, a time limit) counts as failed.
+imported, with the marks tests/conftest.py puts on them: each test's handout section (`s3`), the
+TODOs it calls, and `in_process`. A TODO whose statement is still in the learner's file is not
+started: the tests of a section whose TODOs are all untouched are reported "not started" without
+running. The others run; outcomes come back one test at a time through a pipe
+(labkit.grading.outcomes), and a test that never reports (a crash, an early exit, a time limit)
+counts as failed. `make grade STAGE=NN` prints one line per TODO, in handout order, with the first
+failing test's own message under a TODO that fails; the first TODO not done is the hint.
 
 With --submission, the learner's code runs in a worker process the tests call (labkit.grading.worker),
-so it cannot reach pytest or the pipe. The tests in IN_PROCESS cannot work that way; they run
+so it cannot reach pytest or the pipe. Tests marked `in_process` cannot work that way; they run
 in a pytest run of their own with the learner's code in-process, and that run's reports count
 for those tests alone.
 
@@ -38,45 +43,13 @@ from .. import ROOT, STAGES, triton_interpret
 from . import sandbox, todo
 
 PART_RE = re.compile(r"^test_(\d\d[a-z])_\w+\.py$")  # test_02b_mla.py belongs to row 02b
-MESSAGE_CHARS = 200  # a failure message in the report is one line, cut to this length
+MESSAGE_CHARS = 1500  # a failure message in the report: condensed by labkit.grading.outcomes, cut to this length
 # Environment a sandboxed row inherits: nothing of the instructor's beyond what the tests need.
 PASS_ENV = ("PATH", "LANG", "LC_ALL", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTHONHASHSEED")
 IMPORTS_SOLUTIONS = (
     "this module imports from `solutions`, the reference implementation, which a graded copy does not "
     "contain: a module must be the learner's own code, so every test that uses it scores zero"
 )
-# Tests that need the learner's objects themselves, not data copied out of a worker: they run
-# in-process (README, threat model). A key is a stage folder, a test file, or a test without
-# its parameters.
-IN_PROCESS = {
-    "stage04_batching": "the engine runs behind an asyncio server and the tests drive it with stub "
-    "schedulers, fault injection and threads: it stays in the test process",
-    "stage07_tensor_parallel": "torch.distributed runs the learner's code in processes of its own",
-    # Whether append writes into the cache's own buffers: their data_ptr, which a copy cannot keep.
-    "tests/stage02_kv_cache/test_02_kv_cache.py::test_append_writes_into_the_preallocated_buffers": "data_ptr",
-    "tests/stage02_kv_cache/test_02b_sinks.py::test_02b_memory_stays_bounded_past_the_model_context": "data_ptr",
-    # The test counts the tokens each layer sees with hooks on the model it passes.
-    "tests/stage02_kv_cache/test_02_generate.py::test_cached_generation_never_reruns_the_prefix": "hooks",
-    "tests/stage02_kv_cache/test_02_generate.py::test_no_cache_baseline_recomputes_the_whole_sequence": "hooks",
-    # The learner's code changes the test's model in place (swaps its linears, folds scales into
-    # its weights), and the test then runs that model.
-    "tests/stage03_quantization/test_03_awq.py": "changes the model in place",
-    "tests/stage03_quantization/test_03_smoothquant.py": "changes the model in place",
-    "tests/stage03_quantization/test_03_quant_linear.py": "changes the model in place",
-    "tests/stage03_quantization/test_03_gptq.py::test_gptq_on_a_model_is_gptq_layer_by_layer_on_propagated_inputs": "",
-    "tests/stage03_quantization/test_03_evaluate.py::test_weight_bytes_after_int8_counts_codes_scales_and_float_rest": "",
-    # The tests' forward counters and caches, changed by the learner's decoding loop, then read.
-    "tests/stage06_speculative/test_06_greedy.py::test_cache_rollback_after_rejection": "",
-    "tests/stage06_speculative/test_06_greedy.py::test_target_forwards_at_most_generated_and_stats_add_up": "",
-    "tests/stage06_speculative/test_06_greedy.py::test_target_forwards_strictly_fewer_when_draft_agrees": "",
-    "tests/stage06_speculative/test_06_prompt_lookup.py::test_lookup_decode_equals_target_greedy_with_fewer_forwards": "",
-    "tests/stage06_speculative/test_06_sampling.py::test_propose_sampled_returns_the_warped_draft_distributions": "",
-    # Part 2 writes into the test's paged store and KV cache (rollback, commit_path), then the test reads them.
-    "tests/stage06_speculative/test_06b_batch_verify.py": "changes the test's paged store in place",
-    "tests/stage06_speculative/test_06b_batch_engine.py": "the engine holds the test's models and stores",
-    "tests/stage06_speculative/test_06b_medusa_tree.py": "changes the test's KV cache in place",
-    "tests/stage06_speculative/test_06b_medusa_generate.py": "changes the test's KV cache in place",
-}
 SOLUTIONS_STUB = f'''"""Not part of a graded copy."""
 
 raise ImportError({IMPORTS_SOLUTIONS!r})
@@ -91,26 +64,95 @@ def row_tests(course: Path, number: str) -> list[str]:
     return [str(f.relative_to(course)) for f, row in part if row == number]
 
 
-def canonical_ids(course: Path, numbers: list[str], env: dict) -> dict[str, list[str]]:
-    """Every row's test IDs, collected in one pytest run that imports no stage code."""
+def collect(course: Path, numbers: list[str], env: dict) -> dict[str, list[dict]]:
+    """Every row's tests, collected in one pytest run that imports no stage code: {"id", "section"
+    ([notebook, k] or None), "todos" (the TODO names it calls), "in_process"} (tests/conftest.py's marks)."""
     files = {f: n for n in numbers for f in row_tests(course, n)}
+    tests = {n: [] for n in numbers}
     if not files:
-        return {n: [] for n in numbers}
-    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files]
-    out = subprocess.run(cmd, cwd=course, env=env, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"collecting the course's tests failed (this is the course, not the learner):\n{out.stdout}")
-    ids = {n: [] for n in numbers}
-    for line in out.stdout.split("\n\n", 1)[0].splitlines():  # the IDs, before the summary and any warnings
-        if (row := files.get(line.split("::", 1)[0])) and line not in ids[row]:
-            ids[row].append(line)
-    return ids
+        return tests
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tests.json"
+        cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
+        cmd += ["-p", "labkit.grading.outcomes", *files]
+        run = subprocess.run(cmd, cwd=course, env=env | {"LABKIT_COLLECT": str(out)}, capture_output=True, text=True)
+        if run.returncode != 0 or not out.is_file():
+            raise SystemExit(
+                f"collecting the course's tests failed (this is the course, not the learner):\n{run.stdout}"
+            )
+        collected = json.loads(out.read_text())
+    seen = set()
+    for test in collected:
+        if (row := files.get(test["id"].split("::", 1)[0])) and test["id"] not in seen:
+            seen.add(test["id"])
+            tests[row].append(test)
+    return tests
 
 
-def in_process(test_id: str, folder: str) -> bool:
-    """Whether a --submission test runs with the learner's code in the test process (IN_PROCESS)."""
-    file, _, name = test_id.partition("::")
-    return any(key in IN_PROCESS for key in (folder, file, f"{file}::{name.split('[', 1)[0]}"))
+def canonical_ids(course: Path, numbers: list[str], env: dict) -> dict[str, list[str]]:
+    """Every row's test IDs (collect)."""
+    return {n: [t["id"] for t in tests] for n, tests in collect(course, numbers, env).items()}
+
+
+def row_todos(course: Path, source: Path, number: str) -> list[dict]:
+    """The row's TODOs in handout order (section, then file order), each started or not in `course`."""
+    folder = STAGES[number][0]
+    found = []
+    for module, todos in todo.stage_todos(source, folder).items():
+        for name, section in todos:
+            if (section[0] != 1) == (len(number) == 3):  # row 02 is lab.ipynb, 02b lab2/lab3.ipynb
+                found.append({"name": name, "module": module, "section": list(section)})
+    for t in found:
+        t["started"] = not todo.untouched(course, folder, t["module"], t["name"])
+    return sorted(found, key=lambda t: t["section"])
+
+
+def not_started(tests: list[dict], todos: list[dict], any_started: bool) -> set[str]:
+    """The tests that cannot pass yet: those of a section whose TODOs are all untouched, and while no
+    TODO of the stage is started, those of no section. They are reported without running."""
+    started = {tuple(t["section"]) for t in todos if t["started"]}
+    sections = {tuple(t["section"]) for t in todos}
+    return {
+        t["id"]
+        for t in tests
+        if (t["section"] is None and not any_started)
+        or (t["section"] is not None and tuple(t["section"]) in sections - started)
+    }
+
+
+def section_name(section) -> str:
+    """§3 for lab.ipynb §3, lab2 §1 for a second part."""
+    return f"§{section[1]}" if section[0] == 1 else f"lab{section[0]} §{section[1]}"
+
+
+def todo_report(todos: list[dict], tests: list[dict], cases: dict[str, dict], folder: str, course: Path) -> list[dict]:
+    """One line per TODO: not started, or the tests of its section that call it (all of its section's
+    if none names it) and the first of them that fails."""
+    lines = []
+    for t in todos:
+        line = {"section": section_name(t["section"]), "name": t["name"], "state": "not started"}
+        if not t["started"]:
+            path = course / folder / f"{t['module']}.py"
+            where = [n for n, msg in todo.todos(_read(path)) if f": {t['name']} — " in msg]
+            line["where"] = f"{folder}/{t['module']}.py:{where[0]}" if where else ""
+            lines.append(line)
+            continue
+        same = [x for x in tests if x["section"] == t["section"]]
+        mine = [x for x in same if t["name"] in x["todos"]] or same
+        graded = [cases[x["id"]] for x in mine if cases[x["id"]]["outcome"] != "skipped"]
+        failed = [c for c in graded if c["outcome"] == "failed"]
+        line |= {"state": "fails" if failed else "passes", "tests": len(graded), "failed": len(failed)}
+        if failed:
+            line |= {"test": failed[0]["test"].rsplit("::", 1)[-1], "message": failed[0]["message"]}
+        lines.append(line)
+    return lines
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def run_row(course: Path, tests: list[str], env: dict, timeout: float, hide: list[Path] | None):
@@ -201,8 +243,8 @@ def redact(case: dict, todos: set[str]) -> dict:
     return case | {"message": text, "todo": case.get("todo") if case.get("todo") in todos else ""}
 
 
-def status(cases: list[dict], ended: dict, tampered: str | None) -> tuple[str, str]:
-    """(status, hint) for one row."""
+def status(cases: list[dict], ended: dict, tampered: str | None, lines: list[dict]) -> tuple[str, str]:
+    """(status, hint) for one row: the hint is the first TODO in handout order that is not done."""
     graded = [c for c in cases if c["outcome"] != "skipped"]
     if not cases:
         return "error", "this row has no tests"
@@ -220,26 +262,49 @@ def status(cases: list[dict], ended: dict, tampered: str | None) -> tuple[str, s
         return "complete", ""
     if crashes := [c for c in failed if c["missing"] or c.get("crashed")]:
         return "crashed", crashes[0]["message"]
-    first = min(failed, key=lambda c: todo.section(c.get("todo", "")) or (9, 0))  # earliest handout section
-    hint = f"{first['test'].rsplit('::', 1)[-1]}: {first.get('todo') or first['message']}".strip()
-    if first.get("where"):
-        hint += f"  [{first['where']}]"
-    return ("not started" if len(failed) == len(graded) else "in progress"), hint
+    started = any(x["state"] != "not started" for x in lines) if lines else len(failed) < len(graded)
+    if line := next((x for x in lines if x["state"] in ("fails", "not started")), None):
+        if line["state"] == "not started":
+            hint = f"{line['todo']}" + (f"  [{line['where']}]" if line.get("where") else "")
+        else:
+            hint = f"{line['section']} {line['name']}: {line['test']}\n{line['message']}"
+    else:  # every TODO passes its own tests, and a test of no section fails
+        first = failed[0]
+        hint = f"{first['test'].rsplit('::', 1)[-1]}: {first.get('todo') or first['message']}"
+        hint += f"  [{first['where']}]" if first.get("where") else ""
+    return ("in progress" if started else "not started"), hint
 
 
-def grade_row(course: Path, number: str, ids: list[str], env: dict, timeout: float, submission=None) -> dict:
+def grade_row(course: Path, number: str, tests: list[dict], env: dict, timeout: float, submission=None, source=None):
     """One row's report. `submission`: {"hide": paths or None (no sandbox), "todos": canonical TODOs}."""
     folder, title = STAGES[number]
     files = row_tests(course, number)
+    source = source or course
+    todos = row_todos(course, source, number)
+    any_started = any(
+        not todo.untouched(course, folder, module, name)
+        for module, found in todo.stage_todos(source, folder).items()
+        for name, _ in found
+    )
+    skip = not_started(tests, todos, any_started)
+    run = [t for t in tests if t["id"] not in skip]
     if submission is None:
-        records, ended = run_row(course, files, env, timeout, None)
-        cases, tampered = outcomes(ids, records, ended)
+        records, ended = run_row(course, [*files, *deselect(skip)], env, timeout, None) if run else ([], NOTHING_RUN)
+        cases, tampered = outcomes([t["id"] for t in run], records, ended)
     else:
-        cases, ended, tampered = grade_submission_row(course, folder, files, ids, env, timeout, submission["hide"])
+        cases, ended, tampered = grade_submission_row(course, files, run, skip, env, timeout, submission["hide"])
         cases = [redact(c, submission["todos"]) for c in cases]
+    by_id = {c["test"]: c for c in cases}
+    by_id |= {i: {"test": i, "outcome": "failed", "message": "not started", "missing": False} for i in skip}
+    cases = [by_id[t["id"]] for t in tests]
+    lines = todo_report(todos, tests, by_id, folder, course)
+    for line in lines:
+        line["todo"] = (
+            f"stage{number[:2]}: {line['name']} — see lab{_nb(line['section'])}.ipynb §{line['section'].split('§')[1]}"
+        )
     graded = [c for c in cases if c["outcome"] != "skipped"]
     passed = sum(c["outcome"] == "passed" for c in graded)
-    st, hint = status(cases, ended, tampered)
+    st, hint = status(cases, ended, tampered, lines)
     return {
         "stage": number,
         "folder": folder,
@@ -247,22 +312,35 @@ def grade_row(course: Path, number: str, ids: list[str], env: dict, timeout: flo
         "passed": passed,
         "total": len(graded),
         "skipped": len(cases) - len(graded),
+        "not_started": len(skip),
         "score": round(100.0 * passed / len(graded), 1) if graded else 0.0,
         "status": st,
         "hint": hint[:MESSAGE_CHARS],
         "seconds": round(ended["seconds"], 1),
+        "todos": lines,
         "failures": [{"test": c["test"], "message": c["message"]} for c in graded if c["outcome"] == "failed"],
     }
 
 
-def grade_submission_row(course, folder, files, ids, env, timeout, hide):
+NOTHING_RUN = {"returncode": 0, "timed_out": False, "seconds": 0.0}
+
+
+def _nb(section: str) -> str:
+    return section[3] if section.startswith("lab") else ""
+
+
+def deselect(ids) -> list[str]:
+    return [arg for i in sorted(ids) for arg in ("--deselect", i)]
+
+
+def grade_submission_row(course, files, run, skip, env, timeout, hide):
     """(cases, how it ended, tampered): the tests that can, against a worker; the rest in-process.
     Each run's reports count only for its own tests, so an in-process run cannot forge the others."""
-    local = [i for i in ids if in_process(i, folder)]
-    remote = [i for i in ids if i not in local]
+    local = [t["id"] for t in run if t["in_process"]]
+    remote = [t["id"] for t in run if not t["in_process"]]
     by_id, ends, tampered, t0 = {}, [], None, time.perf_counter()
     for group, tests, extra in (
-        (remote, [*files, *(arg for i in local for arg in ("--deselect", i))], {"LABKIT_WORKER": "1"}),
+        (remote, [*files, *deselect([*local, *skip])], {"LABKIT_WORKER": "1"}),
         (local, local, {}),
     ):
         if not group:
@@ -278,25 +356,44 @@ def grade_submission_row(course, folder, files, ids, env, timeout, hide):
         "timed_out": any(e["timed_out"] for e in ends),
         "seconds": time.perf_counter() - t0,
     }
-    cases = [by_id[i] for i in ids]
+    cases = [by_id[t["id"]] for t in run]
     if tampered:
         cases = [c | {"outcome": "failed", "message": tampered[:MESSAGE_CHARS]} for c in cases]
     return cases, ended, tampered
 
 
-def print_table(rows: list[dict], verbose: bool) -> None:
+def print_table(rows: list[dict], verbose: bool, learner: bool = True) -> None:
     print(f"{'stage':<28} {'passed':>9} {'score':>6}  status")
     print("-" * 78)
     for r in rows:
         frac = f"{r['passed']}/{r['total']}"
         print(f"{r['stage'] + ' ' + r['folder']:<28} {frac:>9} {r['score']:>5.0f}%  {r['status']}")
+        for line in r["todos"] if verbose else []:
+            print(f"{'':<4}{_todo_line(line)}")
+            for text in line.get("message", "").splitlines()[: 12 if line is _first_failing(r) else 4]:
+                print(f"{'':<14}{text[:150]}")
         if r["hint"] and r["status"] != "complete":
-            print(f"{'':<30}↳ {r['hint']}")
-        for f in r["failures"] if verbose else []:
-            print(f"{'':<32}✗ {f['test'].rsplit('::', 1)[-1]}: {f['message'][:160]}")
+            first, *rest = r["hint"].splitlines()
+            print(f"{'':<{4 if verbose else 30}}↳ next: {first[:150]}")
+            for text in [] if verbose else rest[:8]:
+                print(f"{'':<34}{text[:150]}")
     done = sum(r["status"] == "complete" for r in rows)
     print("-" * 78)
-    print(f"{done}/{len(rows)} rows complete. Work a stage in its lab.ipynb, then `make grade STAGE=NN`.")
+    more = " Work a stage in its lab.ipynb, then `make grade STAGE=NN`." if learner else ""
+    print(f"{done}/{len(rows)} rows complete.{more}")
+
+
+def _first_failing(row: dict):
+    return next((x for x in row["todos"] if x["state"] == "fails"), None)
+
+
+def _todo_line(line: dict) -> str:
+    head = f"{line['section']:<9} {line['name']:<26}"
+    if line["state"] == "not started":
+        return f"{head} · not started" + (f"  [{line['where']}]" if line.get("where") else "")
+    if line["state"] == "passes":
+        return f"{head} ✓ {line['tests']} test{'s' * (line['tests'] != 1)} pass"
+    return f"{head} ✗ {line['failed']} of {line['tests']} fail; first: {line['test']}"
 
 
 def prepare_submission(submission: Path, workdir: Path, source: Path) -> Path:
@@ -308,6 +405,7 @@ def prepare_submission(submission: Path, workdir: Path, source: Path) -> Path:
     shutil.copytree(source, course, ignore=skip)
     (course / "solutions").mkdir()
     (course / "solutions" / "__init__.py").write_text(SOLUTIONS_STUB)  # a clear error for `import solutions`
+    todo.write_manifest(course, dict.fromkeys(folder for folder, _ in STAGES.values()))  # the skeleton's TODOs
     return course
 
 
@@ -371,12 +469,12 @@ def grade(numbers: list[str], submission: Path | None, timeout: float, sandboxed
     """Rows for `numbers`: of the course at `source` itself, or of a submission graded in a clean copy."""
     if submission is None:
         env = os.environ | {"LABS_IMPL": "student", "PYTHONPATH": str(source), "TRITON_INTERPRET": triton_interpret()}
-        ids = canonical_ids(source, numbers, env)
-        return [_progress(n) or grade_row(source, n, ids[n], env, timeout) for n in numbers]
+        tests = collect(source, numbers, env)
+        return [_progress(n) or grade_row(source, n, tests[n], env, timeout) for n in numbers]
     with tempfile.TemporaryDirectory() as tmp:
         course = prepare_submission(submission, Path(tmp), source)
         env = submission_env(course)
-        ids = canonical_ids(course, numbers, env)  # before any learner file is in the copy
+        tests = collect(course, numbers, env)  # before any learner file is in the copy
         copied = copy_learner_files(submission, course, source)
         print(f"graded submission {submission}: {copied} learner files copied into a clean course copy")
         roots = {Path(p or ".").resolve() for p in sys.path} | {source}
@@ -384,7 +482,7 @@ def grade(numbers: list[str], submission: Path | None, timeout: float, sandboxed
         pristine = [f for folder, _ in STAGES.values() for f in todo.learner_files(source / folder)]
         todos = {msg for f in pristine for _, msg in todo.todos(f.read_text())}
         context = {"hide": hide if sandboxed else None, "todos": todos}
-        return [_progress(n) or grade_row(course, n, ids[n], env, timeout, context) for n in numbers]
+        return [_progress(n) or grade_row(course, n, tests[n], env, timeout, context, source) for n in numbers]
 
 
 def _progress(number: str) -> None:
@@ -417,7 +515,7 @@ def main(argv=None) -> int:
         return 3
     submission = Path(args.submission).resolve() if args.submission else None
     rows = grade(numbers, submission, args.timeout, sandboxed=not args.no_sandbox)
-    print_table(rows, verbose=bool(args.stage))
+    print_table(rows, verbose=bool(args.stage), learner=submission is None)
     if args.json:
         Path(args.json).write_text(json.dumps({"stages": rows}, indent=2) + "\n")
         print(f"report written to {args.json}")

@@ -27,7 +27,9 @@ import pytest
 from .. import impl
 from . import worker
 
-_MESSAGE_CHARS = 300  # a failure message is the exception's first line, cut to this length
+_MESSAGE_CHARS = 1500  # a failure message: the exception's text, condensed (condense), cut to this length
+_MESSAGE_LINES = 12
+SECTION_MARK = re.compile(r"(?:lab(\d)_)?s(\d+)")  # tests/conftest.py's marks: s3 is lab.ipynb §3, lab2_s1
 # A TODO's message, from either form: NotImplementedError("stage02: f — see lab.ipynb §3") or,
 # in a Triton kernel, tl.static_assert(False, "stage05: kernel — see lab.ipynb §4").
 TODO = re.compile(r"stage\d\d: [^\n]+? — see lab\d?\.ipynb §\d+")
@@ -103,7 +105,7 @@ class Outcomes:
         if report.failed and case["outcome"] != "failed":
             crash = getattr(report.longrepr, "reprcrash", None)
             text = crash.message if crash else str(report.longrepr)
-            case.update(outcome="failed", message=(text.strip().splitlines() or [""])[0][:_MESSAGE_CHARS])
+            case.update(outcome="failed", message=condense(text))
             if todo := TODO.search(str(report.longrepr)):
                 case["todo"] = todo.group(0)[:_MESSAGE_CHARS]
             if where := _deepest_learner_frame(report.longrepr):
@@ -124,6 +126,27 @@ class Outcomes:
         self._send({"id": nodeid, **self.seen.pop(nodeid, {"outcome": "failed", "message": "no report"})})
 
 
+def condense(text: str) -> str:
+    """An exception's text as a learner needs it: the message the test wrote and the first mismatches
+    (NumPy's and torch.testing's closeness reports), without pytest's restatement of the assert, array
+    dumps, or all but the last lines of a child process's traceback."""
+    lines = [line.rstrip() for line in text.strip().splitlines() if line.strip()]
+    kept = []
+    for i, line in enumerate(lines):
+        if line.startswith((" ACTUAL: ", " DESIRED: ")):
+            break  # array dumps: the mismatch lines above already say where and by how much
+        if re.match(r"(assert |\s*\+\s+(where|and) )", line) and i > 0:
+            break  # pytest's restatement of the failed assert
+        if line.startswith("Traceback (most recent call last):"):
+            frames = [x for x in lines[i + 1 :] if not x.startswith(" ")]
+            kept += frames[-2:]  # the child's exception, which says what went wrong
+            break
+        kept.append(line[:200])
+    if len(kept) > _MESSAGE_LINES:
+        kept = kept[: _MESSAGE_LINES - 1] + [f"... ({len(kept) - _MESSAGE_LINES + 1} more lines)"]
+    return "\n".join(kept)[:_MESSAGE_CHARS]
+
+
 def _deepest_learner_frame(longrepr) -> str:
     """'stage02_kv_cache/kv_cache.py:41' for the last traceback frame in a stage module, or ''."""
     chain = getattr(longrepr, "chain", None) or []
@@ -135,7 +158,33 @@ def _deepest_learner_frame(longrepr) -> str:
     return ""
 
 
+class Collect:
+    """--collect-only with LABKIT_COLLECT=path: each test's ID and the marks the grader reads, as JSON."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def pytest_collection_finish(self, session):
+        tests = []
+        for item in session.items:
+            names = [m.name for m in item.iter_markers()]
+            section = next(([int(m[1] or 1), int(m[2])] for n in names if (m := SECTION_MARK.fullmatch(n))), None)
+            todos = item.get_closest_marker("todos")
+            tests.append(
+                {
+                    "id": item.nodeid,
+                    "section": section,
+                    "todos": list(todos.args) if todos else [],
+                    "in_process": item.get_closest_marker("in_process") is not None,
+                }
+            )
+        with open(self.path, "w") as f:
+            json.dump(tests, f)
+
+
 def pytest_configure(config):
+    if path := os.environ.pop("LABKIT_COLLECT", None):
+        config.pluginmanager.register(Collect(path), "labkit-collect")
     fd = os.environ.pop("LABKIT_OUTCOMES_FD", None)
     if os.environ.pop("LABKIT_WORKER", None) and fd is not None:
         impl.install_loader(worker.load)

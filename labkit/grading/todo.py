@@ -6,6 +6,7 @@ Two forms, both with the stage, the name and the handout section:
 """
 
 import ast
+import json
 import re
 from pathlib import Path
 
@@ -50,3 +51,45 @@ def section(text: str) -> tuple[int, int] | None:
     """(notebook, §) of the first TODO message in `text`: lab.ipynb is 1, lab2.ipynb is 2."""
     m = MESSAGE.search(text)
     return (int(m.group(2)[3:] or 1), int(m.group(3))) if m else None
+
+
+# The learner edition carries the skeleton's TODO list as it shipped: once a learner writes a body, its TODO
+# message is gone from the file, but the grader and the tests' section marks still need its name and §.
+MANIFEST = Path("tests") / "todos.json"
+NAME = re.compile(r"stage\d\d: (\S+) — see (lab\d?)\.ipynb §(\d+)")
+
+
+def scan(root: Path, folder: str) -> dict[str, list[tuple[str, tuple[int, int]]]]:
+    """module -> [(TODO name, (notebook, §))], in file order, of the TODOs the folder's files hold now."""
+    found = {}
+    for path in learner_files(root / folder):
+        found[path.stem] = [
+            (m.group(1), (int(m.group(2)[3:] or 1), int(m.group(3))))
+            for _, msg in sorted(todos(path.read_text()))
+            if (m := NAME.search(msg))
+        ]
+    return found
+
+
+def stage_todos(root: Path, folder: str) -> dict[str, list[tuple[str, tuple[int, int]]]]:
+    """The skeleton's TODOs of a stage folder: from the edition's manifest if it has one, else the files."""
+    path = root / MANIFEST
+    if path.is_file():
+        shipped = json.loads(path.read_text()).get(folder, {})
+        return {module: [(name, (nb, k)) for name, nb, k in found] for module, found in shipped.items()}
+    return scan(root, folder)
+
+
+def write_manifest(root: Path, folders) -> None:
+    """Record the TODOs of the untouched skeleton (make student-edition, a graded copy)."""
+    shipped = {f: {m: [[n, *s] for n, s in found] for m, found in scan(root, f).items()} for f in folders}
+    (root / MANIFEST).write_text(json.dumps(shipped, indent=1) + "\n")
+
+
+def untouched(root: Path, folder: str, module: str, name: str) -> bool:
+    """Whether the learner's file still holds this TODO statement."""
+    path = root / folder / f"{module}.py"
+    try:
+        return any((m := NAME.search(msg)) and m.group(1) == name for _, msg in todos(path.read_text()))
+    except (OSError, SyntaxError):
+        return False  # a file that does not parse is started, and fails its tests

@@ -2,7 +2,7 @@
 
 The tampering routes are those of issue 21: each is a tiny submission whose functions are wrong,
 and each must grade as failing with the instructor's course left as it was. A submission's code
-runs in a worker process (labkit.grading.worker) unless grade.IN_PROCESS names its test; both routes are
+runs in a worker process (labkit.grading.worker) unless the test is marked `in_process`; both routes are
 tried.
 """
 
@@ -84,6 +84,8 @@ def course(tmp_path, monkeypatch):
     for name, text in TESTS.items():
         (root / "tests" / "stage01_forward_numpy" / name).write_text(text)
     (root / "conftest.py").write_text(CONFTEST)  # the course's, without torch: the toy needs only `impl`
+    shutil.copy(ROOT / "tests" / "conftest.py", root / "tests")  # the section marks and the handout order
+    todo.write_manifest(root, ["stage01_forward_numpy"])  # as the learner edition ships it
     shutil.copy(ROOT / "pyproject.toml", root)
     monkeypatch.setitem(grade.STAGES, "01b", ("stage01_forward_numpy", "toy part 2"))
     return root
@@ -100,6 +102,7 @@ def rows(course, numbers=("01",), timeout=120, submission=None):
 def test_untouched_stage_is_not_started_with_the_earliest_handout_hint(course):
     (row,) = rows(course)
     assert (row["status"], row["passed"], row["total"]) == ("not started", 0, 2)
+    assert (row["not_started"], row["seconds"]) == (2, 0.0), "untouched TODOs' tests should not run"
     assert "stage01: add — see lab.ipynb §1" in row["hint"], "the hint should point to the earliest section (§1)"
     assert "stage01_forward_numpy/toy.py:" in row["hint"], "the hint should name the learner's file and line"
 
@@ -114,6 +117,32 @@ def test_part_two_tests_form_their_own_row(course):
     first, second = rows(course, ("01", "01b"))
     assert (first["status"], first["total"], second["status"], second["total"]) == ("complete", 2, "not started", 1)
     assert [f["test"].rsplit("::", 1)[-1] for f in second["failures"]] == ["test_add_of_negatives"]
+
+
+def test_only_started_sections_run_and_each_todo_gets_one_line_in_handout_order(course):
+    """add (§1) written and right, sub (§2) untouched: test_sub is not started without running, and
+    the report's lines follow the handout, not the file."""
+    write_learner(
+        course, SKELETON.replace('raise NotImplementedError("stage01: add — see lab.ipynb §1")', "return a + b")
+    )
+    (row,) = rows(course)
+    assert (row["status"], row["passed"], row["not_started"]) == ("in progress", 1, 1), row
+    assert [(t["section"], t["name"], t["state"]) for t in row["todos"]] == [
+        ("§1", "add", "passes"),
+        ("§2", "sub", "not started"),
+    ]
+    assert row["failures"] == [
+        {"test": "tests/stage01_forward_numpy/test_01_toy.py::test_sub_is_exact", "message": "not started"}
+    ]
+    assert row["hint"].startswith("stage01: sub — see lab.ipynb §2  [stage01_forward_numpy/toy.py:"), row["hint"]
+
+
+def test_a_wrong_answer_is_the_hint_before_a_later_untouched_todo(course):
+    """The hint is the first TODO in handout order that is not done, started or not (issue 35)."""
+    write_learner(course, SKELETON.replace('raise NotImplementedError("stage01: add — see lab.ipynb §1")', "return 0"))
+    (row,) = rows(course)
+    assert row["hint"].startswith("§1 add: test_add_is_exact\nAssertionError"), row["hint"]
+    assert "assert 0 == 5" in row["hint"], "the failure's own lines should follow"
 
 
 def test_infinite_loop_is_a_timeout_not_a_hang(course):
@@ -155,7 +184,8 @@ def snapshot(course) -> dict:
 @needs_sandbox
 def test_honest_submission_is_complete_and_a_wrong_one_fails(course, tmp_path):
     assert submit(course, tmp_path, SOLUTION)["status"] == "complete"
-    assert submit(course, tmp_path, WRONG)["status"] == "not started"
+    wrong = submit(course, tmp_path, WRONG)
+    assert (wrong["status"], wrong["passed"]) == ("in progress", 0), wrong
 
 
 @needs_sandbox
@@ -173,10 +203,12 @@ def test_planting_a_conftest_in_the_instructors_course_fails_and_writes_nothing(
     row = submit(course, tmp_path, learner(attack))
     assert row["passed"] == 0, row
     assert snapshot(course) == before, "the submission wrote into the instructor's course"
-    later = submit(course, tmp_path, SKELETON)
-    assert later["status"] == "not started", "a later grading was affected"
-    # The TODO and the learner's line come back from the worker into the hint.
-    assert "stage01: add — see lab.ipynb §1  [stage01_forward_numpy/toy.py:7]" in later["hint"], later["hint"]
+    later = submit(course, tmp_path, WRONG)
+    assert later["passed"] == 0, "a later grading was affected"
+    # A TODO raised in the worker comes back with the learner's line: sub calls add, which is untouched.
+    calls = SKELETON.replace('raise NotImplementedError("stage01: sub — see lab.ipynb §2")', "return add(a, -b)")
+    sub = next(t for t in submit(course, tmp_path, calls)["todos"] if t["name"] == "sub")
+    assert "stage01: add — see lab.ipynb §1 at stage01_forward_numpy/toy.py:7" in sub["message"], sub
 
 
 @needs_sandbox
@@ -193,7 +225,7 @@ def test_planting_a_conftest_in_the_instructors_course_fails_and_writes_nothing(
 )
 def test_importing_the_reference_scores_zero(course, tmp_path, attack):
     row = submit(course, tmp_path, attack.format(course=str(course)))
-    assert (row["status"], row["passed"]) == ("not started", 0), row
+    assert row["passed"] == 0, row
     if "import *" in attack:
         assert "imports from `solutions`" in row["hint"], row["hint"]
 
@@ -286,13 +318,24 @@ def test_results_cross_as_data_with_their_types_and_strides():
 def test_a_pytest_hook_planted_from_the_module_finds_no_pytest(course, tmp_path):
     """The learner's module is imported in the worker: there is no pytest there to hook."""
     row = submit(course, tmp_path, learner(PLANT_HOOK))
-    assert (row["status"], row["passed"]) == ("not started", 0), row
+    assert row["passed"] == 0, row
+
+
+def mark_in_process(course, test: str = ""):
+    """Mark the toy's test file (or one test) `in_process`, as stage 04's are."""
+    path = course / "tests" / "stage01_forward_numpy" / "test_01_toy.py"
+    text = path.read_text()
+    if test:
+        text = text.replace(f"def {test}(", f"@pytest.mark.in_process('the toy')\ndef {test}(")
+    else:
+        text += "\npytestmark = pytest.mark.in_process('the toy, as if it were stage 04')\n"
+    path.write_text("import pytest\n" + text)
 
 
 @needs_sandbox
-def test_in_process_tests_still_zero_the_row_on_a_planted_hook(course, tmp_path, monkeypatch):
+def test_in_process_tests_still_zero_the_row_on_a_planted_hook(course, tmp_path):
     """The fallback for tests that cannot use a worker (README, threat model) keeps its tamper check."""
-    monkeypatch.setitem(grade.IN_PROCESS, "stage01_forward_numpy", "the toy, as if it were stage 04")
+    mark_in_process(course)
     row = submit(course, tmp_path, learner(PLANT_HOOK))
     assert (row["status"], row["passed"]) == ("tampered", 0), row
 
@@ -300,7 +343,7 @@ def test_in_process_tests_still_zero_the_row_on_a_planted_hook(course, tmp_path,
 @needs_sandbox
 def test_outcomes_forged_into_any_file_descriptor_or_by_patching_pytest_count_for_nothing(course, tmp_path):
     row = submit(course, tmp_path, textwrap.dedent(FORGE))
-    assert (row["status"], row["passed"], row["total"]) == ("not started", 0, 2), row
+    assert (row["passed"], row["total"]) == (0, 2), row
 
 
 @needs_sandbox
@@ -324,10 +367,10 @@ def test_a_result_that_claims_to_equal_anything_fails(course, tmp_path):
 
 
 @needs_sandbox
-def test_an_in_process_run_cannot_forge_the_outcome_of_a_worker_test(course, tmp_path, monkeypatch):
+def test_an_in_process_run_cannot_forge_the_outcome_of_a_worker_test(course, tmp_path):
     """test_add runs in-process, where the code can reach the pipe (README); test_sub runs against a
     worker, and the in-process run's forged record for it must not count."""
-    monkeypatch.setitem(grade.IN_PROCESS, "tests/stage01_forward_numpy/test_01_toy.py::test_add_is_exact", "")
+    mark_in_process(course, "test_add_is_exact")
     row = submit(course, tmp_path, textwrap.dedent(FORGE))
     assert "tests/stage01_forward_numpy/test_01_toy.py::test_sub_is_exact" in [f["test"] for f in row["failures"]], row
 
@@ -424,9 +467,9 @@ def test_failure_messages_carry_no_file_contents(course, tmp_path):
 @pytest.mark.skipif(not (ROOT / "solutions").is_dir(), reason="the learner edition has no solutions to submit")
 def test_the_reference_solution_submitted_as_a_submission_is_complete(tmp_path):
     """A whole row, sandboxed, as an instructor grades it: 02b has tests of both routes, most
-    against the worker and one in-process (grade.IN_PROCESS)."""
+    against the worker and one in-process (marked `in_process`)."""
     shutil.copytree(ROOT / "solutions" / "stage02_kv_cache", tmp_path / "stage02_kv_cache")
-    ids = grade.canonical_ids(ROOT, ["02b"], os.environ | {"PYTHONPATH": str(ROOT)})["02b"]
-    assert {grade.in_process(i, "stage02_kv_cache") for i in ids} == {True, False}, "02b no longer has both routes"
+    tests = grade.collect(ROOT, ["02b"], os.environ | {"PYTHONPATH": str(ROOT)})["02b"]
+    assert {t["in_process"] for t in tests} == {True, False}, "02b no longer has both routes"
     (row,) = grade.grade(["02b"], tmp_path, timeout=600)
     assert (row["status"], row["passed"]) == ("complete", row["total"]), row

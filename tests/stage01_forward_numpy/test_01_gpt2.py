@@ -135,6 +135,11 @@ def test_attention_weights_are_a_causal_softmax(impl, seed):
     q, k = rng.normal(size=(2, 3, 10, 8)).astype(np.float32)
     w = impl(MODULE).attention_weights(q, k)
     assert w.shape == (3, 10, 10), f"expected (H, Tq, Tk) = (3, 10, 10), got {w.shape}"
+    nan_rows = np.flatnonzero(np.isnan(w).any(axis=(0, 2))).tolist()  # (H, Tq, Tk): rows are queries
+    assert not nan_rows, (
+        f"query rows {nan_rows} are NaN (seed={seed}): every key of those rows is masked, so their softmax "
+        "divides 0 by 0; a query must see its own key: mask only above the diagonal"
+    )
     assert (np.triu(w, k=1) == 0).all(), f"a query attends to a future key (seed={seed}): mask above the diagonal"
     np.testing.assert_allclose(w, causal_reference(q, k), atol=1e-6, err_msg=f"seed={seed}")
 

@@ -99,6 +99,7 @@ def tokens_seen_by_each_layer(model):
 
 
 @pytest.mark.parametrize("prompt_len", [1, 7])
+@pytest.mark.in_process("counts the tokens each layer sees with hooks on the test's model")
 def test_cached_generation_never_reruns_the_prefix(impl, prompt_len, monkeypatch):
     hf, model = models("gqa4-3layers", 0)
     forbid_labkit_forward(monkeypatch)
@@ -116,6 +117,7 @@ def test_cached_generation_never_reruns_the_prefix(impl, prompt_len, monkeypatch
         )
 
 
+@pytest.mark.in_process("counts the tokens each layer sees with hooks on the test's model")
 def test_no_cache_baseline_recomputes_the_whole_sequence(impl):
     hf, model = models("gqa2-tied", 0)
     seen, handles = tokens_seen_by_each_layer(model)

@@ -29,6 +29,7 @@ def test_append_returns_the_valid_prefix(impl, seed):
         )
 
 
+@pytest.mark.in_process("the cache's own buffers: data_ptr, which a copy from a worker cannot keep")
 def test_append_writes_into_the_preallocated_buffers(impl):
     cache = impl(KV_CACHE).LayerCache(2, 3, 32, 8)
     assert cache.k.shape == (2, 3, 32, 8), "buffers are (B, n_kv_heads, max_seq_len, head_dim), allocated up front"

@@ -149,6 +149,7 @@ def test_02b_victims_are_exactly_the_ones_the_policy_names(impl, seed):
         )
 
 
+@pytest.mark.in_process("the cache's own buffers: data_ptr, which a copy from a worker cannot keep")
 def test_02b_memory_stays_bounded_past_the_model_context(impl):
     """A model with a 32-token context streams 3× that; the cache never reallocates or grows,
     and no RoPE position ever exceeds the budget."""

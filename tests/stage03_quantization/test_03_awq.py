@@ -9,6 +9,8 @@ from torch import nn
 
 from labkit.testing import LLAMA_CONFIGS, random_labkit_llama, random_tokens, with_random_biases
 
+pytestmark = pytest.mark.in_process("the learner's code folds scales into the test's model, then the test runs it")
+
 MOD = "stage03_quantization.awq"
 SEEDS = [0, 1, 2]
 

@@ -24,6 +24,7 @@ def test_divergence_is_kl_and_top1_agreement(impl, seed):
     assert impl(MOD).divergence(ref, ref) == pytest.approx((0.0, 1.0), abs=1e-6), f"seed={seed}: self-divergence"
 
 
+@pytest.mark.in_process("the learner's code changes the test's model in place")
 def test_weight_bytes_after_int8_counts_codes_scales_and_float_rest(impl):
     model = random_labkit_llama(0, tie_word_embeddings=True)
     impl("stage03_quantization.quant_linear").quantize_model(model, "int8")

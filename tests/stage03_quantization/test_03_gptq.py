@@ -161,6 +161,7 @@ def layer_by_layer_gptq(gptq, model, calib, bits: int, group_size: int, act_orde
 
 
 @pytest.mark.parametrize("seed,act_order", [(0, False), (1, True)])
+@pytest.mark.in_process("the learner's code changes the test's model in place")
 def test_gptq_on_a_model_is_gptq_layer_by_layer_on_propagated_inputs(impl, seed, act_order):
     from labkit.testing import random_tokens
 

@@ -7,6 +7,8 @@ from torch import nn
 
 from labkit.testing import LLAMA_CONFIGS, random_labkit_llama, random_tokens, with_random_biases
 
+pytestmark = pytest.mark.in_process("the learner's code swaps the linears of the test's model, then the test runs it")
+
 MOD = "stage03_quantization.quant_linear"
 SEEDS = [0, 1]
 

@@ -10,6 +10,8 @@ from torch import nn
 from labkit.model import RMSNorm
 from labkit.testing import LLAMA_CONFIGS, random_labkit_llama, random_tokens
 
+pytestmark = pytest.mark.in_process("the learner's code folds scales into the test's model, then the test runs it")
+
 MOD = "stage03_quantization.smoothquant"
 SEEDS = [0, 1, 2]
 

@@ -47,6 +47,7 @@ def test_greedy_speculative_equals_target_greedy_and_hf_assisted(impl, pair, con
 
 
 @pytest.mark.parametrize(("config", "seed", "k"), CASES)
+@pytest.mark.in_process("reads back the test's caches and forward counters after the learner's loop")
 def test_target_forwards_at_most_generated_and_stats_add_up(impl, pair, count_forwards, config, seed, k):
     m = impl("stage06_speculative.speculative")
     _, _, target, draft = pair(config, seed)
@@ -64,6 +65,7 @@ def test_target_forwards_at_most_generated_and_stats_add_up(impl, pair, count_fo
 
 
 @pytest.mark.parametrize(("config", "seed", "k"), CASES)
+@pytest.mark.in_process("reads back the test's caches and forward counters after the learner's loop")
 def test_target_forwards_strictly_fewer_when_draft_agrees(impl, pair, count_forwards, config, seed, k):
     """With the target as its own draft every proposal is accepted: one forward per k + 1 tokens."""
     m = impl("stage06_speculative.speculative")
@@ -85,6 +87,7 @@ def test_target_forwards_strictly_fewer_when_draft_agrees(impl, pair, count_forw
 
 
 @pytest.mark.parametrize(("config", "seed"), [("gqa2-tied", 0), ("mqa-odd", 1), ("gqa4-3layers", 2)])
+@pytest.mark.in_process("reads back the test's caches and forward counters after the learner's loop")
 def test_cache_rollback_after_rejection(impl, pair, config, seed):
     """After a round with a rejection, both caches continue exactly like a fresh forward over the kept tokens."""
     m = impl("stage06_speculative.speculative")

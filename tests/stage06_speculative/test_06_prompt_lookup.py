@@ -54,6 +54,7 @@ def hf_prompt_lookup(hf_model, prompt: list[int], max_new_tokens: int, k: int) -
 
 
 @pytest.mark.parametrize(("config", "seed", "k"), [("gqa2-tied", 0, 3), ("mqa-odd", 1, 5), ("mha-untied", 2, 2)])
+@pytest.mark.in_process("reads back the test's forward counters after the learner's loop")
 def test_lookup_decode_equals_target_greedy_with_fewer_forwards(impl, pair, count_forwards, config, seed, k):
     m = impl("stage06_speculative.prompt_lookup")
     hf_target, _, target, _ = pair(config, seed)

@@ -106,6 +106,7 @@ def test_accept_reject_never_accepts_a_token_the_target_cannot_emit(impl):
 
 
 @pytest.mark.parametrize("top_p", [0.5, 0.9])
+@pytest.mark.in_process("reads back the test's forward counters and caches after the learner's code ran")
 def test_propose_sampled_returns_the_warped_draft_distributions(impl, pair, top_p):
     _, hf_draft, _, draft = pair("gqa2-tied", 6)
     tokens = [5, 17, 3, 40, 8]

@@ -11,6 +11,8 @@ from test_06_speculative_sampling import VOCAB, chi2_pvalue, exact_marginals, hf
 
 from labkit.testing import random_tokens
 
+pytestmark = pytest.mark.in_process("the engine holds the test's models and stores")
+
 ENGINE = "stage06_speculative.batch_engine"
 
 

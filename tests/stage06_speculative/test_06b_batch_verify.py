@@ -9,6 +9,8 @@ from stage06b_batch_helpers import blocks_match_tokens, close_pair
 from labkit import paged
 from labkit.testing import random_tokens
 
+pytestmark = pytest.mark.in_process("the learner's code changes the test's paged store in place")
+
 VERIFY = "stage06_speculative.batch_verify"
 CASES = [("gqa2-tied", 0, 4), ("mqa-odd", 1, 3), ("mha-untied", 2, 16), ("gqa4-3layers", 3, 5)]
 

@@ -22,6 +22,8 @@ from labkit.testing import (
     random_tokens,
 )
 
+pytestmark = pytest.mark.in_process("the learner's code changes the test's KV cache in place")
+
 MEDUSA = "stage06_speculative.medusa"
 NO_EOS = 10**6
 CASES = [(name, seed) for seed, name in enumerate(LLAMA_CONFIGS)]

@@ -11,6 +11,8 @@ from stage06_medusa_helpers import random_paths
 
 from labkit.testing import LLAMA_CONFIGS, labkit_from_hf, random_family, random_llama, random_tokens, relative_error
 
+pytestmark = pytest.mark.in_process("the learner's code changes the test's KV cache in place")
+
 MEDUSA = "stage06_speculative.medusa"
 
 
