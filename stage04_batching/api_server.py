@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
@@ -21,16 +22,18 @@ from jinja2 import Template, TemplateError
 from pydantic import ValidationError
 
 from .async_engine import AsyncEngine, EngineError, QueueFull, stream_events
-from .engine import LLMEngine, RequestOutput
+from .engine import LLMEngine, RequestOutput, sibling_ids
 from .lora_engine import LoRAEngine
 from .metrics import CONTENT_TYPE
 from .protocol import (
+    SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,
     ResponseBuilder,
     SamplingRequest,
     error,
     render_chat,
+    sse,
     validation_error,
 )
 
@@ -90,18 +93,29 @@ def create_app(
         except LookupError as e:
             return error(404, str(e), "model")
         param = "messages" if chat else "prompt"
+        vocab = engine.model.config.vocab_size
 
         def tokenize() -> list[int]:
             # encode_batch releases the GIL while it works (encode does not), so the event loop runs meanwhile
             prompt = render_chat(req.messages, chat_template) if chat else req.prompt
             return tokenizer.encode_batch([prompt])[0].ids
 
-        try:
-            ids = await asyncio.get_running_loop().run_in_executor(tokenize_pool, tokenize)
-        except (ValueError, TemplateError) as e:  # a chat template that refuses these messages
-            return error(400, f"the chat template refused the messages: {e}", param)
+        if not chat and isinstance(req.prompt, list):  # token ids, as lm-evaluation-harness sends them
+            ids = req.prompt
+            if max(ids) >= vocab:
+                return error(400, f"prompt: token id {max(ids)} is outside the vocabulary of {vocab} tokens", param)
+        else:
+            try:
+                ids = await asyncio.get_running_loop().run_in_executor(tokenize_pool, tokenize)
+            except (ValueError, TemplateError) as e:  # a chat template that refuses these messages
+                return error(400, f"the chat template refused the messages: {e}", param)
         if not ids:
             return error(400, f"the {param} is empty", param)
+        if req.logit_bias and not all(0 <= t < vocab for t in req.logit_bias):
+            return error(400, f"logit_bias: token ids must lie in [0, {vocab}), the vocabulary", "logit_bias")
+        if req.n > engine.config.max_num_seqs or (req.n > 1 and lora is not None):
+            why = "with a LoRA adapter" if lora is not None else f"over max_num_seqs={engine.config.max_num_seqs}"
+            return error(400, f"n: {req.n} samples {why} cannot be served; send fewer (or separate requests)", "n")
         try:  # structured output: compile the constraint (once per pattern) off the event loop
             pattern = req.guided_pattern()
             if pattern is not None:
@@ -122,26 +136,35 @@ def create_app(
             request_id, queue = core.submit(ids, dataclasses.replace(req.to_sampling_params(), lora=lora))
         except QueueFull as e:
             return error(429, f"server busy: {e}; retry later", headers={"Retry-After": "1"})
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # n > 1: the engine forks n - 1 siblings under these ids; their outputs need queues before the loop runs
+        family = sibling_ids(request_id, req.n)
+        queues = [queue] + [core.queues.setdefault(i, asyncio.Queue()) for i in family[1:]]
+        echo = getattr(req, "echo", False)
         reply = ResponseBuilder(
             request_id=request_id,
             model=req.model or model_name,
             chat=chat,
             num_prompt_tokens=len(ids),
-            include_usage=include_usage,
+            include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            token_text=lambda t: tokenizer.decode([t], skip_special_tokens=False),
+            echo=(req.prompt if isinstance(req.prompt, str) else tokenizer.decode(ids)) if echo else None,
+            echo_only=echo and req.max_tokens == 0,
         )
         if req.stream:
-            events = stream_events(core, request_id, queue, reply.chunk, request_timeout)
-            return StreamingResponse(events, media_type="text/event-stream")
+            streams = [
+                stream_events(core, i, q, reply.chunk, request_timeout) for i, q in zip(family, queues, strict=True)
+            ]
+            return StreamingResponse(merge_streams(streams, reply), media_type="text/event-stream")
         try:
-            out = await until_disconnected(request, final_output(queue, request_timeout))
+            outs = await until_disconnected(request, final_outputs(queues, request_timeout))
         finally:
-            core.abort(request_id)  # frees the blocks on timeout or disconnect; a no-op once it finished
-        if out is None:
+            for i in family:
+                core.abort(i)  # frees the blocks on timeout or disconnect; a no-op once it finished
+        if outs is None:
             return Response(status_code=499)  # the client has gone; nobody reads this
-        if isinstance(out, EngineError):
-            return error(out.status, out.message)
-        return JSONResponse(reply.final(out))
+        if isinstance(outs, EngineError):
+            return error(outs.status, outs.message)
+        return JSONResponse(reply.final(outs))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -202,6 +225,49 @@ async def final_output(queue: asyncio.Queue, timeout: float) -> RequestOutput | 
             return EngineError(status=504, message=f"no output for {timeout} s")
         if isinstance(item, EngineError) or item.finished:
             return item
+
+
+async def final_outputs(queues: list[asyncio.Queue], timeout: float) -> list[RequestOutput] | EngineError:
+    """The last output of each of a request's n sequences, or the first EngineError among them (the
+    first sequence's comes first: if the engine refuses the request, its siblings never start)."""
+    outs = []
+    for queue in queues:
+        out = await final_output(queue, timeout)
+        if isinstance(out, EngineError):
+            return out
+        outs.append(out)
+    return outs
+
+
+async def merge_streams(streams: list[AsyncIterator[str]], reply: ResponseBuilder) -> AsyncIterator[str]:
+    """The events of a request's n streams as one: each choice's chunks as they come; an error event ends
+    them all; then the usage chunk (stream_options.include_usage) and a single [DONE]. Closing this
+    generator (the client left) cancels the streams, and each aborts its sequence."""
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[str]) -> None:
+        try:
+            async for event in stream:
+                events.put_nowait(event)
+        finally:
+            events.put_nowait(None)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        ended, failed = 0, False
+        while ended < len(tasks) and not failed:
+            event = await events.get()
+            if event is None:
+                ended += 1
+            elif event != SSE_DONE:
+                failed = event.startswith('data: {"error"')
+                yield event
+        if reply.include_usage and not failed:
+            yield sse(reply.usage_chunk())
+        yield SSE_DONE
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def until_disconnected(request: Request, work):

@@ -50,7 +50,11 @@ def sequential(model: Llama, prompts: list[list[int]], max_tokens: list[int]) ->
 
 @torch.inference_mode()
 def static_batching(
-    model: Llama, prompts: list[list[int]], max_tokens: list[int], batch_size: int, block_size: int = EngineConfig.block_size
+    model: Llama,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    batch_size: int,
+    block_size: int = EngineConfig.block_size,
 ) -> list[Result]:
     """Serve the requests in arrival order, batch_size at a time; a batch returns when its longest is done."""
     arrival = time.perf_counter()

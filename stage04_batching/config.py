@@ -28,7 +28,9 @@ class EngineConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise ValueError(f"max_model_len must be an integer >= 2 (a prompt token and an output), got {self.max_model_len!r}")
+            raise ValueError(
+                f"max_model_len must be an integer >= 2 (a prompt token and an output), got {self.max_model_len!r}"
+            )
 
     def context_length(self, max_position_embeddings: int) -> int:
         """The longest request (prompt + max_tokens) an engine with this pool can serve on a model with

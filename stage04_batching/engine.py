@@ -25,10 +25,20 @@ from .block_manager import BlockManager
 from .byte_dfa import compile_regex
 from .config import EngineConfig
 from .paged_attention import PagedKVCache, paged_attention, slot_mapping
-from .sampling import find_stop, safe_length, sample
+from .sampling import apply_penalties, find_stop, logprobs_of, safe_length, sample
 from .scheduler import Scheduler
-from .sequence import SamplingParams, Sequence
+from .sequence import SamplingParams, Sequence, Status
 from .structured import Guide, TokenIndex, build_token_index, mask_logits, token_bytes
+
+
+@dataclass
+class TokenLogprob:
+    """One token's log-probability under the model (before any sampling setting) and the `k` most likely
+    tokens of the same position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass
@@ -45,6 +55,9 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float | None
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+    index: int = 0  # which of the request's n sequences this is (its id is sibling_ids(parent, n)[index])
+    logprobs: list[TokenLogprob] | None = None  # of every output token so far, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # of each prompt token (None for the first)
 
 
 MAX_TOKEN_INDEXES = 32  # structured output: the token indexes kept (each is num_states x vocab)
@@ -63,8 +76,10 @@ def forward_paged(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     query_lens: torch.Tensor,
+    keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """labkit's Llama over a packed batch: N tokens of B sequences -> logits (B, vocab) of each last token.
+    """labkit's Llama over a packed batch: N tokens of B sequences -> logits (B, vocab) of each last token,
+    or of the token rows `keep` (M,) int64 lists (prompt logprobs need every prompt position).
 
     input_ids, positions, slots: (N,) int64; block_tables (B, max_blocks); context_lens, query_lens (B,).
     Linear layers see all N tokens at once (that is the batching win); attention goes through the pool.
@@ -85,14 +100,19 @@ def forward_paged(
         y = paged_attention(q, cache.k[i], cache.v[i], block_tables, context_lens, query_lens)
         x = x + attn.o_proj(y.reshape(N, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    if N > len(query_lens):  # keep each sequence's last token; a pure decode step has only those
+    if keep is not None:
+        x = x[keep]
+    elif N > len(query_lens):  # keep each sequence's last token; a pure decode step has only those
         x = x[torch.cumsum(query_lens, 0) - 1]
     return model.lm_head(model.model.norm(x)).float()
 
 
-def run_batch(model: Llama, cache: PagedKVCache, seqs: list[Sequence], num_tokens: list[int]) -> torch.Tensor:
+def run_batch(
+    model: Llama, cache: PagedKVCache, seqs: list[Sequence], num_tokens: list[int], all_rows: list[bool] | None = None
+) -> torch.Tensor:
     """Pack the next num_tokens[b] tokens of every sequence into flat tensors and run forward_paged:
-    logits (B, vocab) at each sequence's last computed token."""
+    logits (B, vocab) at each sequence's last computed token. With all_rows, a flagged sequence gets
+    all its num_tokens[b] rows instead (in order, packed back to back with the others' last rows)."""
     ids, positions, slots = [], [], []
     for seq, n in zip(seqs, num_tokens, strict=True):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -101,6 +121,12 @@ def run_batch(model: Llama, cache: PagedKVCache, seqs: list[Sequence], num_token
         slots += slot_mapping(seq.block_table, start, end, cache.block_size)
     width = max(len(s.block_table) for s in seqs)
     tables = [s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+    keep = None
+    if all_rows and any(all_rows):
+        ends = itertools.accumulate(num_tokens)
+        keep = torch.tensor(
+            [i for e, n, a in zip(ends, num_tokens, all_rows, strict=True) for i in range(e - n if a else e - 1, e)]
+        )
     return forward_paged(
         model,
         cache,
@@ -110,7 +136,13 @@ def run_batch(model: Llama, cache: PagedKVCache, seqs: list[Sequence], num_token
         torch.tensor(tables),
         torch.tensor([s.num_computed_tokens + n for s, n in zip(seqs, num_tokens, strict=True)]),
         torch.tensor(num_tokens),
+        keep,
     )
+
+
+def sibling_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's n sequences: its own, then one per extra sample (parallel sampling)."""
+    return [request_id] + [f"{request_id}-{i}" for i in range(1, n)]
 
 
 class LLMEngine:
@@ -124,6 +156,7 @@ class LLMEngine:
         self.cache = PagedKVCache(model.config, c.num_blocks, c.block_size, next(model.parameters()).dtype)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
+        self.unforked: dict[str, list[Sequence]] = {}  # parent id -> the siblings it forks once its prompt is computed
         self._ids = itertools.count()
         self.max_model_len = c.context_length(model.config.max_position_embeddings)
         # paged_attention has no sliding window: refuse one that a sequence could outgrow.
@@ -139,22 +172,34 @@ class LLMEngine:
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
-        """Queue a request; returns its id. Raises ValueError if it can never fit the context or the pool."""
+        """Queue a request; returns its id. Raises ValueError if it can never fit the context or the pool.
+
+        With params.n > 1 the request has n sequences (ids: sibling_ids): the first computes the prompt,
+        then forks the others, which share its KV blocks until they write (copy-on-write)."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt).ids if isinstance(prompt, str) else list(prompt)
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.requests:
+        family = sibling_ids(request_id, params.n)
+        if any(i in self.requests for i in family):
             raise ValueError(f"request id {request_id!r} is already in use")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
                 f"context length of {self.max_model_len} tokens"
             )
-        seq = Sequence(request_id, ids, params)
-        if params.guided_regex is not None:
-            seq.guide = Guide(self.token_index(params.guided_regex))
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        vocab = self.model.config.vocab_size
+        if not all(0 <= t < vocab for t in [*ids, *params.logit_bias]):
+            raise ValueError(f"token ids (of the prompt or logit_bias) must lie in [0, {vocab}), the vocabulary")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}, the batch it must fit")
+        seqs = [Sequence(i, ids, params, index) for index, i in enumerate(family)]
+        for seq in seqs:
+            if params.guided_regex is not None:
+                seq.guide = Guide(self.token_index(params.guided_regex))
+            self.requests[seq.request_id] = seq
+        if params.n > 1:
+            self.unforked[request_id] = seqs[1:]
+        self.scheduler.add(seqs[0])
         return request_id
 
     def token_index(self, pattern: str | bytes) -> TokenIndex:
@@ -173,11 +218,18 @@ class LLMEngine:
             return self.token_indexes[pattern]
 
     def abort(self, request_id: str) -> None:
-        """Stop a request wherever it is and free its blocks (unknown or finished ids are ignored)."""
+        """Stop a request wherever it is and free its blocks (unknown or finished ids are ignored).
+        A parent aborted before its prompt is computed takes its unforked siblings along."""
         seq = self.requests.pop(request_id, None)
-        if seq is not None:
-            self.scheduler.finish(seq, "abort")
-            seq.finish_time = time.perf_counter()
+        if seq is None:
+            return
+        for sibling in self.unforked.pop(request_id, []):
+            self.abort(sibling.request_id)
+        for siblings in self.unforked.values():
+            if seq in siblings:
+                siblings.remove(seq)
+        self.scheduler.finish(seq, "abort")
+        seq.finish_time = time.perf_counter()
 
     def abort_all(self) -> None:
         """Abort every request, leaving the engine empty with every block free."""
@@ -193,48 +245,124 @@ class LLMEngine:
         A request whose forward pass or sampling raises is finished with reason "error" (its blocks
         freed, the message in its output); the others in the batch carry on.
         """
-        batch = self.scheduler.schedule()
+        batch = self._schedule()
         if not batch.seqs:
             return []
         for src, dst in batch.blocks_to_copy:
             self.cache.copy_block(src, dst)
         outputs = []
-        rows = self._constrain(batch.seqs, batch.num_tokens, self._forward(batch.seqs, batch.num_tokens))
-        for seq, n, row in zip(batch.seqs, batch.num_tokens, rows, strict=True):
+        chunks = self._forward(batch.seqs, batch.num_tokens)
+        last = [c if isinstance(c, Exception) else c[-1] for c in chunks]
+        rows = self._constrain(batch.seqs, batch.num_tokens, last)
+        for seq, n, chunk, row in zip(batch.seqs, batch.num_tokens, chunks, rows, strict=True):
             try:
                 if isinstance(row, Exception):
                     raise row
+                self._record_prompt_logprobs(seq, chunk)
                 seq.num_computed_tokens += n
                 self.block_manager.cache_blocks(seq)
                 if seq.num_computed_tokens < seq.num_tokens:
                     continue  # a prefill chunk that has not reached the end of the prompt yet
-                seq.token_ids.append(sample(row, seq.params, seq.generator))
-                if seq.guide is not None:
-                    seq.guide.advance(seq.token_ids[-1])
-                seq.first_token_time = seq.first_token_time or time.perf_counter()
-                outputs.append(self._update(seq))
+                family = [seq, *self._fork(seq)]
             except NotImplementedError:
                 raise  # an unwritten TODO is not one request's fault
             except Exception as e:
-                outputs.append(self._fail(seq, e))
+                outputs += [self._fail(s, e) for s in [seq, *self.unforked.pop(seq.request_id, [])]]
+                continue
+            for s in family:  # the siblings forked this step sample their first token from the same logits
+                try:
+                    outputs.append(self._sample(s, row, chunk[-1]))
+                except NotImplementedError:
+                    raise
+                except Exception as e:
+                    outputs.append(self._fail(s, e))
         return outputs
 
+    def _schedule(self):
+        """The scheduler's batch. A prompt whose logprobs are asked for must be computed, not read from the
+        prefix cache (vLLM skips the cache for those requests too), so a step that may admit one reads none."""
+        skip = self.block_manager.enable_prefix_caching and any(
+            self._wants_prompt_rows(s) for s in self.scheduler.waiting
+        )
+        self.block_manager.enable_prefix_caching = not skip and self.config.enable_prefix_caching
+        try:
+            return self.scheduler.schedule()
+        finally:
+            self.block_manager.enable_prefix_caching = self.config.enable_prefix_caching
+
+    @staticmethod
+    def _wants_prompt_rows(seq: Sequence) -> bool:
+        return seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Parallel sampling: the siblings of a parent whose prompt is now computed join the running batch,
+        sharing every block of the parent (BlockManager.fork; the scheduler copies a shared block before
+        one of them writes into it)."""
+        siblings = self.unforked.pop(parent.request_id, [])
+        for seq in siblings:
+            self.block_manager.fork(parent, seq)
+            seq.prompt_logprobs = parent.prompt_logprobs
+            seq.status = Status.RUNNING
+            self.scheduler.running.append(seq)
+        return siblings
+
+    def _sample(self, seq: Sequence, row: torch.Tensor, raw: torch.Tensor) -> RequestOutput:
+        """Sample seq's next token from `row` (its logits after any constraint) and report it; `raw` are the
+        model's logits, whose log-softmax the logprobs report (vLLM's default: before any sampling setting)."""
+        p = seq.params
+        if p.presence_penalty or p.frequency_penalty or p.logit_bias:
+            row = apply_penalties(row, seq.output_token_ids, p)
+        token = sample(row, p, seq.generator)
+        if p.logprobs is not None:
+            seq.logprobs += self._logprobs(raw[None], [token], p.logprobs)
+        seq.token_ids.append(token)
+        if seq.guide is not None:
+            seq.guide.advance(token)
+        seq.first_token_time = seq.first_token_time or time.perf_counter()
+        return self._update(seq)
+
+    def _record_prompt_logprobs(self, seq: Sequence, chunk: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens this chunk's rows predict: the row at position p predicts token p + 1."""
+        if not self._wants_prompt_rows(seq):
+            return
+        start, done = seq.num_computed_tokens, len(seq.prompt_logprobs)
+        lo, hi = max(done - 1, start), min(start + len(chunk), seq.num_prompt_tokens - 1)
+        if done - 1 < start:  # a prefix-cache hit would leave positions without logits
+            raise RuntimeError(
+                f"prompt logprobs need every prompt position computed; positions {done}..{start} were skipped"
+            )
+        if hi > lo:
+            seq.prompt_logprobs += self._logprobs(
+                chunk[lo - start : hi - start], seq.token_ids[lo + 1 : hi + 1], seq.params.prompt_logprobs
+            )
+
+    @staticmethod
+    def _logprobs(rows: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+        chosen, top_ids, top_lps = logprobs_of(rows, torch.tensor(token_ids), min(k, rows.shape[-1]))
+        return [
+            TokenLogprob(t, lp, list(zip(ids, lps, strict=True)))
+            for t, lp, ids, lps in zip(token_ids, chosen.tolist(), top_ids.tolist(), top_lps.tolist(), strict=True)
+        ]
+
     def _forward(self, seqs: list[Sequence], num_tokens: list[int]) -> list[torch.Tensor | Exception]:
-        """Logits (vocab,) of each sequence, or the exception its forward pass raised.
+        """Logits (rows, vocab) of each sequence, or the exception its forward pass raised: one row, its last
+        token's, or all num_tokens rows of a sequence whose prompt logprobs are being computed.
 
         When the batched pass raises, each sequence runs again alone (rewriting the same cache slots),
         so one request's fault fails that request only; a fault every sequence hits fails them all.
         """
 
-        def run(group: list[Sequence], counts: list[int]) -> torch.Tensor:
+        def run(group: list[Sequence], counts: list[int]) -> list[torch.Tensor]:
             for seq in group:
                 if self.fault_hook is not None:
                     self.fault_hook(seq)
             self.before_forward(group, counts)
-            return run_batch(self.model, self.cache, group, counts)
+            wants = [self._wants_prompt_rows(s) for s in group]
+            logits = run_batch(self.model, self.cache, group, counts, wants)
+            return list(logits.split([n if w else 1 for n, w in zip(counts, wants, strict=True)]))
 
         try:
-            return list(run(seqs, num_tokens))
+            return run(seqs, num_tokens)
         except NotImplementedError:
             raise
         except Exception as e:
@@ -284,15 +412,15 @@ class LLMEngine:
     def generate(
         self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; final outputs in prompt order."""
+        """Run every prompt to completion; final outputs in prompt order (the n of a request one after another)."""
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        ids = [sibling_ids(self.add_request(p, sp), sp.n) for p, sp in zip(prompts, params, strict=True)]
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out
-        return [final[i] for i in ids]
+        return [final[i] for family in ids for i in family]
 
     def _update(self, seq: Sequence) -> RequestOutput:
         """After a new token: detokenize, check EOS / stop strings / max_tokens, and stream the safe delta."""
@@ -331,4 +459,7 @@ class LLMEngine:
             first_token_time=seq.first_token_time,
             finish_time=seq.finish_time,
             error=error,
+            index=seq.index,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
         )

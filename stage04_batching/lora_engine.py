@@ -38,6 +38,8 @@ class LoRAEngine(LLMEngine):
         name = params.lora if params else None
         if name is not None:
             self.registry.check_known(name)
+            if params.n > 1:  # forked siblings would run on an adapter pin that only the first holds
+                raise ValueError("n > 1 is not supported with a LoRA adapter; send n requests")
         request_id = super().add_request(prompt, params, request_id)
         if name is not None:
             seq = self.requests[request_id]

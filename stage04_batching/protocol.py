@@ -4,9 +4,11 @@ error bodies, server-sent-event framing, and the chat template.
 Given code (vLLM keeps the same pieces in vllm/entrypoints/openai/protocol.py).
 """
 
+import dataclasses
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -14,9 +16,9 @@ from typing import Annotated, Literal
 from fastapi.responses import JSONResponse
 from jinja2 import Template
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from pydantic import AfterValidator, BaseModel, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from .engine import RequestOutput
+from .engine import RequestOutput, TokenLogprob
 from .sequence import SamplingParams
 from .structured import inline_refs, schema_to_regex
 
@@ -42,8 +44,13 @@ def _temperature(t: float) -> float:
     return t
 
 
+MAX_LOGPROBS = 20  # the most top logprobs one position may ask for (vLLM's default max_logprobs)
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")  # vLLM's continuous_usage_stats is not implemented: a 400 names it
+
+    include_usage: bool = False  # one last chunk, choices [], with the whole request's usage
 
 
 class JSONSchemaFormat(BaseModel):
@@ -61,18 +68,28 @@ class ResponseFormat(BaseModel):
 
 
 class SamplingRequest(BaseModel):
-    """The fields both endpoints share. Unknown fields are ignored, as OpenAI and vLLM do."""
+    """The fields both endpoints share. A field this server does not implement (tools, best_of, min_p, ...)
+    is a 400 that names it, as OpenAI answers, rather than silently ignored as vLLM does."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: Text | None = Field(None, max_length=256)
+    user: str | None = Field(None, max_length=256)  # OpenAI's end-user id: accepted, changes nothing
     max_tokens: int = Field(16, ge=1)  # the handler also checks prompt + max_tokens against the context
     temperature: Annotated[float, Field(ge=0, le=2, allow_inf_nan=False), AfterValidator(_temperature)] = 1.0
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)  # a vLLM extension; 0 switches it off
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # the range torch.Generator.manual_seed takes
     stop: StopString | Annotated[list[StopString], Field(max_length=4)] | None = None
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1)  # the handler checks it against the engine's max_num_seqs
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = None  # without stream it changes nothing: the body holds the usage
+    presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
+    # token id (a JSON key, so a string) -> bias; the handler checks the ids against the vocabulary
+    logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = Field(
+        None, max_length=1024
+    )
     ignore_eos: bool = False  # a vLLM extension that load tests use for fixed output lengths
     response_format: ResponseFormat | None = None  # structured output (stage 04 part 2)
     guided_regex: Text | None = Field(None, min_length=1, max_length=4096)  # a vLLM extension
@@ -93,9 +110,15 @@ class SamplingRequest(BaseModel):
             raise ValueError('response_format of type "json_schema" needs a json_schema object with a schema')
         return schema_to_regex(inline_refs(fmt.json_schema.schema_))
 
+    def num_logprobs(self) -> int | None:
+        """How many top logprobs each output token reports (None: no logprobs)."""
+        return None
+
     def to_sampling_params(self) -> SamplingParams:
         return SamplingParams(
-            max_tokens=self.max_tokens,
+            max_tokens=max(
+                self.max_tokens, 1
+            ),  # echo with max_tokens 0 samples one token, as vLLM does; the reply drops it
             temperature=self.temperature,
             top_k=self.top_k,
             top_p=self.top_p,
@@ -103,20 +126,64 @@ class SamplingRequest(BaseModel):
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             ignore_eos=self.ignore_eos,
             guided_regex=self.guided_pattern(),
+            n=self.n,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=dict(self.logit_bias or {}),
+            logprobs=self.num_logprobs(),
         )
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: Text
+    # text or token ids; lm-evaluation-harness sends a batch of one ([ids]); larger batches are refused
+    prompt: Text | TokenIds | Annotated[list[Text | TokenIds], Field(min_length=1)]
+    max_tokens: int = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
+    echo: bool = False  # the prompt (and, with logprobs, its logprobs) before the output
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top logprobs per token; the chosen one always
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str | list):
+            if len(self.prompt) > 1:
+                raise ValueError(f"prompt: a batch of {len(self.prompt)} prompts; send one prompt per request")
+            self.prompt = self.prompt[0]
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo (the prompt's logprobs, nothing generated)")
+        return self
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def to_sampling_params(self) -> SamplingParams:
+        return dataclasses.replace(super().to_sampling_params(), prompt_logprobs=self.logprobs if self.echo else None)
 
 
 class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     role: Literal["system", "user", "assistant"]
     content: Text
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens; wins over it
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _chat_fields(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: only allowed when logprobs is true")
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -132,6 +199,13 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 def validation_error(e: ValidationError) -> JSONResponse:
     """400 naming the first bad field (`messages.0.role`), as OpenAI's `param`."""
     first = e.errors()[0]
+    if first["type"] == "extra_forbidden":
+        name = ".".join(str(p) for p in first["loc"])
+        return error(400, f"{name}: this server does not implement this field; leave it out", name)
+    if first["type"] == "value_error" and ": " in first["msg"]:  # a check across fields names its field first
+        name = first["msg"].removeprefix("Value error, ").split(": ", 1)[0]
+        if name in {*ChatCompletionRequest.model_fields, *CompletionRequest.model_fields}:
+            return error(400, first["msg"].removeprefix("Value error, "), name)
     names = {*ChatCompletionRequest.model_fields, *CompletionRequest.model_fields, *ChatMessage.model_fields}
     # pydantic's loc also names union branches ("str", "list[...]"); keep field names and list indices
     field = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or p in names) or None
@@ -140,17 +214,24 @@ def validation_error(e: ValidationError) -> JSONResponse:
 
 @dataclass
 class ResponseBuilder:
-    """The OpenAI bodies of one request: a streamed chunk per output, or the final body."""
+    """The OpenAI bodies of one request: a streamed chunk per output, the usage chunk, or the final body.
+    Each output is one of the request's n choices (out.index)."""
 
     request_id: str
     model: str
     chat: bool
     num_prompt_tokens: int
-    include_usage: bool = False  # stream_options.include_usage: usage in the last chunk
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage, choices []
+    token_text: Callable[[int], str] = str  # a token id's text, for logprobs (the tokenizer's decode of it)
+    echo: str | None = None  # completions with echo: the prompt text every choice starts with
+    echo_only: bool = False  # echo with max_tokens 0: the one token the engine sampled is left out
     created: int = field(default_factory=lambda: int(time.time()))
+    sent: dict[int, int] = field(default_factory=dict)  # choice -> output tokens already streamed
+    offset: dict[int, int] = field(default_factory=dict)  # choice -> characters already streamed
+    completion_tokens: dict[int, int] = field(default_factory=dict)  # choice -> output tokens so far
 
-    def usage(self, out: RequestOutput) -> dict:
-        n = len(out.token_ids)
+    def usage(self) -> dict:
+        n = sum(self.completion_tokens.values())
         return {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": n,
@@ -158,27 +239,80 @@ class ResponseBuilder:
         }
 
     def chunk(self, out: RequestOutput) -> dict:
+        """The streamed chunk of one output: its new text and the logprobs of its tokens not sent yet."""
+        first = out.index not in self.sent
+        tokens, text = self._new(out, self.sent.get(out.index, 0), out.delta_text)
+        if first and self.echo is not None:
+            text = self.echo + text
+        self.sent[out.index] = len(out.token_ids)
         if self.chat:
-            choice = {"index": 0, "delta": {"role": "assistant", "content": out.delta_text}}
+            choice = {"index": out.index, "delta": {"role": "assistant", "content": text}}
         else:
-            choice = {"index": 0, "text": out.delta_text, "logprobs": None}
-        body = self._body("chat.completion.chunk" if self.chat else "text_completion", choice, out)
-        if out.finished and self.include_usage:
-            body["usage"] = self.usage(out)
-        return body
+            choice = {"index": out.index, "text": text}
+        choice["logprobs"] = self._logprobs(out, tokens, first)
+        return self._body("chat.completion.chunk" if self.chat else "text_completion", choice, out)
 
-    def final(self, out: RequestOutput) -> dict:
+    def usage_chunk(self) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        body = {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, "choices": []}
+        return {**body, "usage": self.usage()}
+
+    def final(self, outs: list[RequestOutput]) -> dict:
+        """The whole body of a non-streaming request from the final output of each choice."""
+        choices = []
+        for out in outs:
+            tokens, text = self._new(out, 0, out.text)
+            text = (self.echo or "") + text
+            if self.chat:
+                choice = {"index": out.index, "message": {"role": "assistant", "content": text}}
+            else:
+                choice = {"index": out.index, "text": text}
+            choice["logprobs"] = self._logprobs(out, tokens, True)
+            choice["finish_reason"] = out.finish_reason
+            choices.append(choice)
+        kind = "chat.completion" if self.chat else "text_completion"
+        body = {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        return {**body, "usage": self.usage()}
+
+    def _new(self, out: RequestOutput, start: int, text: str) -> tuple[list[TokenLogprob], str]:
+        """The logprobs of out's tokens from `start` on, and its text; neither for an echo-only request."""
+        self.completion_tokens[out.index] = 0 if self.echo_only else len(out.token_ids)
+        if self.echo_only:
+            return [], ""
+        return (out.logprobs or [])[start:], text
+
+    def _logprobs(self, out: RequestOutput, tokens: list[TokenLogprob], first: bool) -> dict | None:
+        if out.logprobs is None:
+            return None
+        entries: list[TokenLogprob | None] = list(tokens)
+        if first and self.echo is not None:
+            entries = [*(out.prompt_logprobs or []), *entries]
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}}
-        else:
-            choice = {"index": 0, "text": out.text, "logprobs": None}
-        return {
-            **self._body("chat.completion" if self.chat else "text_completion", choice, out),
-            "usage": self.usage(out),
-        }
+            return {"content": [self._chat_entry(e) for e in entries]}
+        offset = self.offset.get(out.index, 0)
+        result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            token_id = e.token_id if e is not None else out.prompt_token_ids[0]  # None: the first prompt token
+            text = self.token_text(token_id)
+            result["tokens"].append(text)
+            result["text_offset"].append(offset)
+            offset += len(text)
+            result["token_logprobs"].append(e.logprob if e is not None else None)
+            # OpenAI: the `logprobs` most likely tokens and always the chosen one
+            top = {self.token_text(t): lp for t, lp in e.top} | {text: e.logprob} if e is not None else None
+            result["top_logprobs"].append(top)
+        self.offset[out.index] = offset
+        return result
+
+    def _chat_entry(self, e: TokenLogprob) -> dict:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, lp) for t, lp in e.top]}
 
     def _body(self, kind: str, choice: dict, out: RequestOutput) -> dict:
-        choice["finish_reason"] = out.finish_reason if out.finished else None
+        choice["finish_reason"] = out.finish_reason
         return {
             "id": self.request_id,
             "object": kind,

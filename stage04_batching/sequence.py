@@ -20,6 +20,12 @@ class SamplingParams:
     ignore_eos: bool = False
     guided_regex: str | bytes | None = None  # structured output (part 2): the output must match this regex
     lora: str | None = None  # the LoRA adapter that serves the request (lora_engine.py); None: the base model
+    n: int = 1  # parallel sampling: n sequences from one prompt, computed once (engine.py forks them)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token the output already holds
+    frequency_penalty: float = 0.0  # ... and this once per occurrence
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    logprobs: int | None = None  # report each output token's logprob and the this many most likely tokens'
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (echo)
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -30,6 +36,16 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not all(-100 <= b <= 100 for b in self.logit_bias.values()):
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {self.logit_bias}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (or None: not reported), got {getattr(self, name)}")
 
 
 class Status(enum.Enum):
@@ -43,7 +59,7 @@ class Sequence:
     the next step computes [num_computed_tokens, num_computed_tokens + n) for the n tokens it schedules.
     Preemption resets num_computed_tokens to 0 and keeps the output, so recompute re-prefills both."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, index: int = 0):
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt; pass at least one token")
         self.request_id = request_id
@@ -58,7 +74,11 @@ class Sequence:
         self.text = ""  # detokenized output, cut at a stop string
         self.num_sent_chars = 0  # how much of `text` has been streamed
         self.guide = None  # structured.Guide of a guided_regex request, set by the engine
-        self.generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.index = index  # which of the request's n samples (n > 1), each seeded seed + index as vLLM does
+        seed = params.seed if params.seed is None or not index else (params.seed + index) % 2**64
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        self.logprobs: list = []  # engine.TokenLogprob of each output token, when params.logprobs is set
+        self.prompt_logprobs: list = [None]  # ... of each prompt token, when params.prompt_logprobs is set
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

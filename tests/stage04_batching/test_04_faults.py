@@ -338,7 +338,28 @@ def test_finished_requests_leave_no_queue_behind(server):
         ("/v1/completions", b'{"prompt": "x", "seed": 1180591620717411303424}', "seed"),
         ("/v1/completions", b'{"prompt": "x", "stop": ""}', "stop"),
         ("/v1/completions", b'{"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}', "stop"),
-        ("/v1/completions", b'{"prompt": "x", "n": 2}', "n"),
+        ("/v1/completions", b'{"prompt": "x", "n": 0}', "n"),
+        ("/v1/completions", b'{"prompt": "x", "n": 9}', "n"),  # more than the server's max_num_seqs (8)
+        ("/v1/completions", b'{"prompt": "x", "best_of": 2}', "best_of"),  # not implemented: never ignored
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": []}', "tools"),
+        ("/v1/completions", b'{"prompt": "x", "presence_penalty": 2.5}', "presence_penalty"),
+        ("/v1/completions", b'{"prompt": "x", "frequency_penalty": -3}', "frequency_penalty"),
+        ("/v1/completions", b'{"prompt": "x", "logit_bias": {"5": 101}}', "logit_bias"),
+        ("/v1/completions", b'{"prompt": "x", "logit_bias": {"100000": 1}}', "logit_bias"),
+        ("/v1/completions", b'{"prompt": "x", "logprobs": 21}', "logprobs"),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', "max_tokens"),  # only with echo
+        ("/v1/completions", b'{"prompt": ["x", "y"]}', "prompt"),
+        ("/v1/completions", b'{"prompt": [5, 100000]}', "prompt"),
+        (
+            "/v1/completions",
+            b'{"prompt": "x", "stream": true, "stream_options": {"continuous_usage_stats": true}}',
+            "stream_options.continuous_usage_stats",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
+            "top_logprobs",
+        ),
     ],
     ids=lambda v: v if isinstance(v, str) and not v.startswith("/") else None,
 )

@@ -1,0 +1,239 @@
+"""The API surface real tools call (§5, §7): logprobs, echo with the prompt's logprobs, n > 1 on shared
+KV blocks, penalties and logit_bias, usage in a stream. References come from the model's own logits,
+computed here with labkit's contiguous forward pass, and from the official `openai` client's view."""
+
+import math
+import random
+
+import pytest
+import torch
+from stage04_helpers import PROMPT, LiveServer, make_model, random_prompts, wait_blocks_free
+
+
+@pytest.fixture(scope="module")
+def server(impl, tokenizer):
+    s = LiveServer(impl, tokenizer, max_waiting=64, request_timeout=30.0)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    with OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=30) as c:
+        yield c
+
+
+def _params(impl, **kw):
+    return impl("stage04_batching.sequence").SamplingParams(**kw)
+
+
+def log_softmax64(logits: torch.Tensor) -> torch.Tensor:
+    """log p over the last dim in float64, written out: x - max - log(sum(exp(x - max)))."""
+    x = logits.double()
+    shifted = x - x.max(-1, keepdim=True).values
+    return shifted - shifted.exp().sum(-1, keepdim=True).log()
+
+
+@torch.no_grad()
+def model_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """(len(ids), vocab) float64: row t is log p(next token | ids[: t + 1]), one contiguous forward pass."""
+    return log_softmax64(model(torch.tensor([ids]))[0])
+
+
+@torch.no_grad()
+def reference_decode(model, prompt: list[int], n: int, penalize=None, generator=None, temperature=1.0) -> list[int]:
+    """n tokens by recomputing the whole sequence each step: argmax, or a draw from softmax(logits / T)
+    with `generator`; penalize(logits, output so far) -> logits is applied first."""
+    out: list[int] = []
+    for _ in range(n):
+        logits = model(torch.tensor([prompt + out]))[0, -1].float()
+        if penalize is not None:
+            logits = penalize(logits, out)
+        if generator is None:
+            out.append(int(logits.argmax()))
+        else:
+            out.append(int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_logprobs_of_is_the_exact_log_softmax_even_far_in_the_tail(impl, seed):
+    logprobs_of = impl("stage04_batching.sampling").logprobs_of
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(7, 50, generator=gen) * 40  # a float32 softmax underflows to 0 for most of each row
+    ids = torch.randint(0, 50, (7,), generator=gen)
+    chosen, top_ids, top_lps = logprobs_of(logits, ids, 4)
+    ref = log_softmax64(logits)
+    assert torch.isfinite(chosen).all(), f"seed={seed}: every logprob must be finite, got {chosen}"
+    assert torch.allclose(chosen.double(), ref.gather(1, ids[:, None])[:, 0], rtol=1e-5, atol=1e-4), (
+        f"seed={seed}: chosen {chosen} != log_softmax {ref.gather(1, ids[:, None])[:, 0]}"
+    )
+    assert top_ids.tolist() == ref.argsort(-1, descending=True)[:, :4].tolist(), (
+        f"seed={seed}: top ids, most likely first"
+    )
+    assert torch.allclose(top_lps.double(), ref.sort(-1, descending=True).values[:, :4], rtol=1e-5, atol=1e-4), (
+        f"seed={seed}: the top logprobs must be the log-softmax of those tokens"
+    )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_apply_penalties_against_a_loop_over_the_vocabulary(impl, seed):
+    apply_penalties = impl("stage04_batching.sampling").apply_penalties
+    rng = random.Random(seed)
+    vocab = 30
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed))
+    logits[rng.randrange(vocab)] = float("-inf")  # a token a constraint masked
+    before = logits.clone()
+    output = [rng.randrange(vocab) for _ in range(rng.randint(1, 25))]
+    bias = {rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(3)}
+    params = _params(impl, presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(-2, 2), logit_bias=bias)
+    got = apply_penalties(logits, output, params)
+    want = []
+    for t in range(vocab):
+        c = output.count(t)
+        want.append(
+            before[t].item() - params.frequency_penalty * c - params.presence_penalty * (c > 0) + bias.get(t, 0)
+        )
+    assert torch.equal(logits, before), f"seed={seed}: apply_penalties must not change its input (logprobs read it)"
+    assert all(g == w if math.isinf(w) else abs(g - w) < 1e-4 for g, w in zip(got.tolist(), want, strict=True)), (
+        f"seed={seed} output={output} {params}: got {got.tolist()}, want {want}"
+    )
+
+
+def test_echo_returns_the_prompt_logprobs_of_a_forward_pass(server, client, tokenizer):
+    """What lm-evaluation-harness's local-completions sends to score a continuation: token ids, echo,
+    max_tokens 0, logprobs 1. Sent twice: the second time the prompt's blocks sit in the prefix cache,
+    and the logprobs must still be computed, not skipped."""
+    ids = tokenizer.encode(PROMPT + " a small red fox who loved the quiet river at night").ids
+    ref = model_logprobs(server.model, ids)
+    for attempt in range(2):
+        r = client.completions.create(model="test-model", prompt=[ids], echo=True, max_tokens=0, logprobs=1)
+        lp = r.choices[0].logprobs
+        assert r.choices[0].text == tokenizer.decode(ids), f"attempt {attempt}: echo returns the prompt, nothing more"
+        assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids), f"attempt {attempt}: {r.usage}"
+        assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids), f"attempt {attempt}: {lp}"
+        want = [ref[t, ids[t + 1]].item() for t in range(len(ids) - 1)]
+        assert max(abs(g - w) for g, w in zip(lp.token_logprobs[1:], want, strict=True)) < 1e-4, (
+            f"attempt {attempt}: prompt logprobs {lp.token_logprobs[1:]} != forward pass {want}"
+        )
+        for t in range(1, len(ids)):  # the most likely token and the chosen one (OpenAI: logprobs + 1 at most)
+            best = int(ref[t - 1].argmax())
+            assert abs(lp.top_logprobs[t][tokenizer.decode([best])] - ref[t - 1, best].item()) < 1e-4, f"position {t}"
+    assert wait_blocks_free(server.engine) == 0, "echo requests must free their blocks"
+
+
+def test_chat_logprobs_and_top_logprobs_follow_the_model(server, client, tokenizer):
+    r = client.chat.completions.create(
+        model="test-model",
+        messages=[{"role": "user", "content": "Tell me about the fox"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    prompt = tokenizer.encode("user: Tell me about the fox\nassistant:").ids  # no chat template: role lines
+    out = reference_decode(server.model, prompt, 6)
+    ref = model_logprobs(server.model, prompt + out)[len(prompt) - 1 :]
+    content = r.choices[0].logprobs.content
+    assert [c.token for c in content] == [tokenizer.decode([t]) for t in out], "one entry per greedy token"
+    for i, (entry, token) in enumerate(zip(content, out, strict=True)):
+        assert abs(entry.logprob - ref[i, token].item()) < 1e-4, f"token {i}: {entry.logprob} vs {ref[i, token].item()}"
+        top = ref[i].topk(3)
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([t]) for t in top.indices.tolist()]
+        assert max(abs(t.logprob - v) for t, v in zip(entry.top_logprobs, top.values.tolist(), strict=True)) < 1e-4
+
+
+def test_penalties_and_logit_bias_follow_openai_semantics(server, client, tokenizer):
+    """Greedy with presence/frequency penalties and a logit_bias: each step's argmax of the penalized logits
+    of a whole-sequence forward pass (the output counts, not the prompt), through the openai client."""
+    rng = random.Random(5)
+    prompt = tokenizer.encode(PROMPT).ids
+    banned, favoured = rng.sample(range(3, tokenizer.get_vocab_size()), 2)
+    bias = {banned: -100.0, favoured: 2.0}
+    presence, frequency = 0.8, 0.6
+
+    def penalize(logits, out):
+        logits = logits.clone()
+        for t in set(out):
+            logits[t] -= presence + frequency * out.count(t)
+        for t, b in bias.items():
+            logits[t] += b
+        return logits
+
+    want = reference_decode(server.model, prompt, 12, penalize)
+    r = client.completions.create(
+        model="test-model",
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        logit_bias={str(t): b for t, b in bias.items()},
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].text == tokenizer.decode(want), (
+        f"got {r.choices[0].text!r}, reference {tokenizer.decode(want)!r}"
+    )
+    assert favoured in want and banned not in want, f"bias {bias}: reference output {want}"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_n_samples_fork_and_share_the_prompt_blocks(impl, seed):
+    """n = 4 seeded samples of one prompt: after the prefill, every prompt block is held by all four
+    sequences (one copy in the pool); the next step copies only the shared partial block, once per sibling.
+    Sample i draws as a request seeded seed + i would (vLLM's rule)."""
+    model = make_model(seed)
+    (prompt,) = random_prompts(seed, 1, 37, 37)  # 2 full blocks of 16 and a partial one
+    engine = impl("stage04_batching.engine").LLMEngine(model, num_blocks=32, max_num_seqs=8)
+    rid = engine.add_request(
+        prompt, _params(impl, n=4, max_tokens=6, temperature=1.0, seed=100 + seed, ignore_eos=True)
+    )
+    engine.step()  # prefill, fork, the first token of each
+    seqs = [engine.requests[i] for i in [rid, f"{rid}-1", f"{rid}-2", f"{rid}-3"]]
+    table = seqs[0].block_table
+    assert all(s.block_table == table for s in seqs), f"seed={seed}: siblings share the parent's table {table}"
+    refs = [engine.block_manager.blocks[b].ref_count for b in table]
+    assert refs == [4, 4, 4] and engine.block_manager.num_used_blocks == 3, (
+        f"seed={seed}: 3 prompt blocks, each held by 4 sequences; ref counts {refs}, "
+        f"{engine.block_manager.num_used_blocks} blocks in use"
+    )
+    engine.step()  # each writes its first token's K/V into the shared partial block: copy-on-write
+    assert [engine.block_manager.blocks[b].ref_count for b in table[:2]] == [4, 4], (
+        f"seed={seed}: full blocks stay shared"
+    )
+    assert engine.block_manager.num_used_blocks == 3 + 3, f"seed={seed}: one private copy of the last block per sibling"
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    for o in sorted(outs, key=lambda o: o.index):
+        want = reference_decode(model, prompt, 6, generator=torch.Generator().manual_seed(100 + seed + o.index))
+        assert o.token_ids == want, (
+            f"seed={seed}: sample {o.index} drew {o.token_ids}, seed {100 + seed + o.index} draws {want}"
+        )
+    assert engine.block_manager.num_used_blocks == 0, f"seed={seed}: all blocks back after the n samples finish"
+
+
+def test_n_choices_and_usage_stream_through_the_openai_client(server, client, tokenizer):
+    prompt = tokenizer.encode(PROMPT).ids
+    body = dict(
+        model="test-model", prompt=prompt, n=3, max_tokens=5, temperature=1.0, seed=7, extra_body={"ignore_eos": True}
+    )
+    plain = client.completions.create(**body)
+    assert sorted(c.index for c in plain.choices) == [0, 1, 2], f"one choice per sample: {plain.choices}"
+    for c in plain.choices:
+        want = reference_decode(server.model, prompt, 5, generator=torch.Generator().manual_seed(7 + c.index))
+        assert c.text == tokenizer.decode(want), f"choice {c.index}: {c.text!r} vs the seed {7 + c.index} draw"
+    assert plain.usage.completion_tokens == 15 and plain.usage.prompt_tokens == len(prompt), f"{plain.usage}"
+    texts, usage = {}, []
+    for chunk in client.completions.create(**body, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage.append(chunk)
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts == {c.index: c.text for c in plain.choices}, f"streamed {texts}"
+    assert len(usage) == 1 and usage[0].choices == [], "include_usage: one last chunk, its choices empty"
+    assert usage[0].usage.completion_tokens == 15, f"the usage chunk counts all 3 choices: {usage[0].usage}"
+    assert wait_blocks_free(server.engine) == 0, "every sample's blocks come back"
