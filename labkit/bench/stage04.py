@@ -40,10 +40,10 @@ def forward_work(fn, *modules) -> dict:
     run_batch = modules[0].run_batch
     work = {"forward_passes": 0, "token_rows": 0}
 
-    def counted(model, cache, seqs, num_tokens):
+    def counted(model, cache, seqs, num_tokens, *rest):
         work["forward_passes"] += 1
         work["token_rows"] += sum(num_tokens)
-        return run_batch(model, cache, seqs, num_tokens)
+        return run_batch(model, cache, seqs, num_tokens, *rest)
 
     for m in modules:
         m.run_batch = counted

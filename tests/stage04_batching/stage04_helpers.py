@@ -8,6 +8,8 @@ import contextlib
 import random
 import time
 
+import torch
+
 from labkit.model import Llama
 from labkit.serving import serving
 from labkit.testing import random_labkit_llama
@@ -24,6 +26,13 @@ def random_prompts(seed: int, n: int, lo: int, hi: int, vocab_size: int = 101) -
     """n prompts of lengths in [lo, hi] with ids >= 3 (no special tokens)."""
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def log_softmax64(logits: torch.Tensor) -> torch.Tensor:
+    """log p over the last dim in float64, written out: x - max - log(sum(exp(x - max)))."""
+    x = logits.double()
+    shifted = x - x.max(-1, keepdim=True).values
+    return shifted - shifted.exp().sum(-1, keepdim=True).log()
 
 
 def reference(model: Llama, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:

@@ -1,10 +1,12 @@
-"""Sampling (temperature, top-k, top-p, per-request seeds) and stopping (EOS, max_tokens, stop strings)."""
+"""Sampling (temperature, top-k, top-p, per-request seeds), stopping (EOS, max_tokens, stop strings),
+penalties and logit_bias, and logprobs."""
 
+import math
 import random
 
 import pytest
 import torch
-from stage04_helpers import make_model, random_prompts
+from stage04_helpers import log_softmax64, make_model, random_prompts
 
 
 def _params(impl, **kw):
@@ -167,3 +169,47 @@ def test_no_streamed_delta_carries_part_of_a_stop_string(impl, tokenizer, seed):
                 "never receive characters that turn out to start the stop string"
             )
     assert sent == expected, f"seed={seed}: the client must receive exactly the text before the stop"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_logprobs_of_is_the_exact_log_softmax_even_far_in_the_tail(impl, seed):
+    logprobs_of = impl("stage04_batching.sampling").logprobs_of
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(7, 50, generator=gen) * 40  # a float32 softmax underflows to 0 for most of each row
+    ids = torch.randint(0, 50, (7,), generator=gen)
+    chosen, top_ids, top_lps = logprobs_of(logits, ids, 4)
+    ref = log_softmax64(logits)
+    assert torch.isfinite(chosen).all(), f"seed={seed}: every logprob must be finite, got {chosen}"
+    assert torch.allclose(chosen.double(), ref.gather(1, ids[:, None])[:, 0], rtol=1e-5, atol=1e-4), (
+        f"seed={seed}: chosen {chosen} != log_softmax {ref.gather(1, ids[:, None])[:, 0]}"
+    )
+    assert top_ids.tolist() == ref.argsort(-1, descending=True)[:, :4].tolist(), (
+        f"seed={seed}: top ids, most likely first"
+    )
+    assert torch.allclose(top_lps.double(), ref.sort(-1, descending=True).values[:, :4], rtol=1e-5, atol=1e-4), (
+        f"seed={seed}: the top logprobs must be the log-softmax of those tokens"
+    )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_apply_penalties_against_a_loop_over_the_vocabulary(impl, seed):
+    apply_penalties = impl("stage04_batching.sampling").apply_penalties
+    rng = random.Random(seed)
+    vocab = 30
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed))
+    logits[rng.randrange(vocab)] = float("-inf")  # a token a constraint masked
+    before = logits.clone()
+    output = [rng.randrange(vocab) for _ in range(rng.randint(1, 25))]
+    bias = {rng.randrange(vocab): rng.uniform(-100, 100) for _ in range(3)}
+    params = _params(impl, presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(-2, 2), logit_bias=bias)
+    got = apply_penalties(logits, output, params)
+    want = []
+    for t in range(vocab):
+        c = output.count(t)
+        want.append(
+            before[t].item() - params.frequency_penalty * c - params.presence_penalty * (c > 0) + bias.get(t, 0)
+        )
+    assert torch.equal(logits, before), f"seed={seed}: apply_penalties must not change its input (logprobs read it)"
+    assert all(g == w if math.isinf(w) else abs(g - w) < 1e-4 for g, w in zip(got.tolist(), want, strict=True)), (
+        f"seed={seed} output={output} {params}: got {got.tolist()}, want {want}"
+    )
