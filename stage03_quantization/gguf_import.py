@@ -58,9 +58,13 @@ def state_dict_from_gguf(tensors: dict, config: dict, path: str | os.PathLike = 
 
 
 def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """Convert the Llama GGUF `path` into the HF folder `out_dir` (config.json, model.safetensors in
-    float32, tokenizer.json, tokenizer_config.json with the chat template). Returns out_dir."""
-    metadata, tensors = read_gguf(path)
+    """Convert the Llama GGUF `path` into the HF folder `out_dir`; returns out_dir (see write_folder)."""
+    return write_folder(*read_gguf(path), out_dir, path)
+
+
+def write_folder(metadata: dict, tensors: dict, out_dir: str | os.PathLike, path: str | os.PathLike = "") -> Path:
+    """Write read_gguf's (metadata, tensors) as an HF folder: config.json, model.safetensors in float32,
+    tokenizer.json, and tokenizer_config.json with the chat template. Returns out_dir."""
     config = config_from_gguf(metadata, sorted(tensors))
     out_dir = Path(out_dir)
     save(out_dir, config, state_dict_from_gguf(tensors, config, path))
