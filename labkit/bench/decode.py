@@ -1,11 +1,12 @@
 """One decode step, everywhere, against the machine's limit: llama.cpp is the yardstick (issue 24).
 
-    make bench STAGE=decode          (installs llama-cpp-python on demand: make llamacpp)
+    make bench STAGE=decode [MODEL=real]   (installs llama-cpp-python on demand: make llamacpp)
 
-In one run and on one thread each, a cached decode step of the tiny target at CONTEXT tokens:
-labkit.model eager, labkit.fast_decode.StaticDecoder (fused, then torch.compile'd), Hugging Face
-transformers, and llama.cpp on the same weights exported to GGUF F32 and Q8_0 by stage 03's
-exporter. The floor is the bytes a step must read (every weight once) over the bandwidth a
+In one run and on one thread each, a cached decode step of $MODEL (default the tiny target; `real`
+is SmolLM2-135M-Instruct) at CONTEXT tokens: labkit.model eager, labkit.fast_decode.StaticDecoder
+(fused, then torch.compile'd), Hugging Face transformers, and llama.cpp on the same weights
+exported to GGUF F32 and Q8_0 by stage 03's exporter (and, for the real model, on the Q4_1 file
+it ships as). The floor is the bytes a step must read (every weight once) over the bandwidth a
 one-thread copy of COPY_MB reaches (bytes read + written per second). Every step is timed
 round-robin (bench.interleaved), so load drift hits all alike; aten ops per step come from
 torch.profiler (nested ops included).
@@ -18,8 +19,8 @@ from pathlib import Path
 import torch
 from torch.profiler import profile
 
-from labkit import TARGET, bench
-from labkit.checkpoint import model_folder
+from labkit import bench
+from labkit.checkpoint import model_folder, real_model_folder
 from labkit.device import pin_threads
 from labkit.fast_decode import StaticDecoder
 from labkit.impl import load
@@ -88,6 +89,7 @@ def llamacpp_step(path: Path):
 def main(quick: bool = False) -> bench.Result:
     pin_threads(1)  # llama.cpp runs on one thread too: the comparison is per core
     model, which = bench.model()
+    folder = model_folder("MODEL")  # the folder bench.model() read: every row runs these weights
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied embedding once
     steps = {"labkit.model, eager": course_step(model, None)}
     steps["StaticDecoder, fused, eager"] = course_step(model, "eager")
@@ -98,15 +100,23 @@ def main(quick: bool = False) -> bench.Result:
     from transformers import AutoModelForCausalLM
 
     steps["Hugging Face transformers"] = hf_step(
-        AutoModelForCausalLM.from_pretrained(model_folder("MODEL"), dtype=torch.float32).eval()
+        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     )
     with tempfile.TemporaryDirectory() as tmp:
         try:
+            import llama_cpp  # noqa: F401  (before the exports, which take a while)
+
+            if folder == real_model_folder():
+                from labkit.gguf_model import installed_gguf
+
+                steps["llama.cpp on the shipped Q4_1 file"] = llamacpp_step(installed_gguf())
             export = load("stage03_quantization.gguf_export")
             for mix in ("F32", "Q8_0"):
-                steps[f"llama.cpp {mix}"] = llamacpp_step(export.export_gguf(TARGET, Path(tmp) / f"{mix}.gguf", mix))
-        except (ImportError, NotImplementedError) as e:  # no llama-cpp-python, or a learner's unwritten exporter
-            print(f"llama.cpp rows left out ({type(e).__name__}: {e}); `make llamacpp` installs llama.cpp")
+                steps[f"llama.cpp {mix}"] = llamacpp_step(export.export_gguf(folder, Path(tmp) / f"{mix}.gguf", mix))
+        except ImportError as e:
+            print(f"llama.cpp rows left out ({e}); `make llamacpp` installs llama.cpp")
+        except (NotImplementedError, ValueError) as e:  # a learner's unwritten exporter, or a model it refuses
+            print(f"llama.cpp rows of stage 03's exporter left out ({type(e).__name__}: {e})")
         ops = {name: aten_ops(step) for name, step in steps.items() if not name.startswith("llama.cpp")}
         times = bench.interleaved(steps, repeats=50 if quick else 300, warmup=10)
     bandwidth = copy_bandwidth()
