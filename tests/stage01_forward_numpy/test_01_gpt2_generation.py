@@ -106,12 +106,11 @@ def test_sampling_is_reproducible_from_the_seed(impl, seed):
     assert first != other, f"seeds {seed} and {seed + 1000} gave identical samples: is the rng used at all?"
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("extra", [0, 7])
+@pytest.mark.parametrize("seed,extra", [(0, 0), (1, 7)])
 def test_top_k_at_or_above_the_vocabulary_keeps_every_token(impl, seed, extra):
     """Clients send top_k=50 to models of any vocabulary: a k of V or more restricts nothing."""
     V = 9
-    logits = np.random.default_rng(seed).normal(0, 1.0, size=(V,)).astype(np.float32)
+    logits = np.random.default_rng(seed).normal(0, 0.3, size=(V,)).astype(np.float32)  # no token is rare
     rng = np.random.default_rng(300 + seed)
     sample_next = impl(MODULE).sample_next
     freq = frequencies(lambda: sample_next(logits, temperature=0.8, top_k=V + extra, rng=rng), V)
@@ -120,8 +119,7 @@ def test_top_k_at_or_above_the_vocabulary_keeps_every_token(impl, seed, extra):
     )
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("temperature", [0.5, 2.0])
+@pytest.mark.parametrize("seed,temperature", [(0, 0.5), (1, 2.0)])
 def test_top_k_combined_with_temperature(impl, seed, temperature):
     """Both knobs at once: the k largest logits survive, then softmax(logit / T) over them alone."""
     V, k = 10, 4
