@@ -4,7 +4,9 @@ A test's section is the latest handout section among the TODOs it calls: the nam
 helpers and fixtures of its file that it uses, mention (`mod.softmax(...)` -> softmax's §1; a method TODO
 `LayerCache.append` counts where the file also names `LayerCache`). Only the TODOs of the stage modules the
 file names (or that a given module it names imports) count, and part 2 files (test_NNb_*) count only lab2/lab3 TODOs. A test that mentions none takes
-the first §k of its file's docstring, else the latest section among the TODOs the file may call. The marks:
+the first §k of its file's docstring (never later than the docstring's §k, where there is one), else the latest
+section among the TODOs the file may call. A given module the test names ("stage04_batching.engine") counts as the
+TODOs of the learner modules it imports, a given function of a learner module as the TODOs it calls. The marks:
 
     s3          lab.ipynb §3:   .venv/bin/pytest tests/stage01_forward_numpy -m s3
     lab2_s1     lab2.ipynb §1 (a stage's part 2; lab3_s2 for lab3.ipynb §2)
@@ -87,7 +89,15 @@ def file_info(path: Path):
 
     candidates = todos_of(modules) or todos_of(stage_todos(folder))  # none named: any of the stage's
     defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    for node in tree.body:  # MODULE = "stage04_batching.engine": a name a test may use
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            defs.setdefault(node.targets[0].id, node)
     return key, defs, candidates, _names(tree)
+
+
+@cache
+def docstring_section(path: Path) -> bool:
+    return re.match(r"§\d", ast.get_docstring(ast.parse(path.read_text())) or "") is not None
 
 
 @cache
@@ -95,7 +105,7 @@ def file_section(path: Path) -> tuple[int, int] | None:
     """Where a test that calls no TODO by name belongs: the docstring's §k, else the file's latest TODO."""
     key, _, candidates, _ = file_info(path)
     latest = max((sec for _, sec in candidates), default=None)
-    if re.match(r"§\d", ast.get_docstring(ast.parse(path.read_text())) or "") and latest:
+    if docstring_section(path) and latest:
         return (latest[0] if key[0] else 1, key[1])  # part 2's §k is in its file's notebook
     return latest
 
@@ -113,22 +123,52 @@ def called_todos(item) -> list[tuple[str, tuple[int, int]]]:
     start = start or defs.get(getattr(item, "originalname", item.name))
     if start is None:
         return []
-    seen, todo_names, queue = set(), set(), [start]
+    seen, todo_names, queue, given = set(), set(), [start], set()
     if isinstance(start, (ast.FunctionDef, ast.AsyncFunctionDef)):
         queue += [defs[a.arg] for a in start.args.args if a.arg in defs]  # the file's fixtures it asks for
     while queue:
         node = queue.pop()
-        if node.name in seen:
+        if id(node) in seen:
             continue
-        seen.add(node.name)
+        seen.add(id(node))
         names = _names(node)
         todo_names |= names
-        queue += [defs[n] for n in names if n in defs and n not in seen]
-    return [
+        given |= {
+            m for c in ast.walk(node) if isinstance(c, ast.Constant) for m in _given(item.path.parent.name, c.value)
+        }
+        queue += [defs[n] for n in names if n in defs and id(defs[n]) not in seen]
+    folder = item.path.parent.name
+    for module in stage_todos(folder):  # a given function of a learner module calls that module's TODOs
+        todo_names |= {t for fn, calls in given_calls(folder, module).items() if fn in todo_names for t in calls}
+    called = [
         (name, sec)
         for name, sec in candidates
         if name.split(".")[-1] in todo_names and (("." not in name) or name.split(".")[0] in file_names)
     ]
+    # A given module the test runs (the engine) calls the TODOs of the learner modules it imports.
+    return called + [(name, sec) for name, sec in candidates if name in given]
+
+
+@cache
+def given_calls(folder: str, module: str) -> dict[str, set[str]]:
+    """Given functions of a learner module -> the names of the module's TODOs each one mentions."""
+    tree = ast.parse((ROOT / folder / f"{module}.py").read_text())
+    todos = {name.split(".")[-1] for name, _ in stage_todos(folder)[module]}
+    return {
+        n.name: _names(n) & todos
+        for n in tree.body
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name not in todos and _names(n) & todos
+    }
+
+
+def _given(folder: str, value) -> set[str]:
+    """The TODO names a given module named by the string "stageNN_x.module" reaches through its imports."""
+    if not isinstance(value, str) or not value.startswith(folder + "."):
+        return set()
+    module = value.split(".", 1)[1]
+    if module in stage_todos(folder):
+        return set()  # a learner module: only the TODOs the test calls by name count
+    return {name for m in learner_modules(folder, module) for name, _ in stage_todos(folder)[m]}
 
 
 def pytest_configure(config):
@@ -145,8 +185,8 @@ def pytest_collection_modifyitems(config, items):
             continue
         called = called_todos(item)
         section = max((sec for _, sec in called), default=None)
-        if section is None:
-            section = file_section(item.path)
+        floor = file_section(item.path) if docstring_section(item.path) else None
+        section = max(filter(None, (section, floor)), default=None) or file_section(item.path)
         if section:
             item.add_marker(getattr(pytest.mark, mark_name(*section)))
         item.add_marker(pytest.mark.todos(*sorted({name for name, _ in called})))
