@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from .. import ROOT
+from . import todo
 
 LEFT_OUT = (
     "solutions/",
@@ -41,7 +42,22 @@ MAKEFILE = [
     (re.compile(r"^IMPL \?= solution$", re.M), "IMPL ?= student"),
     (re.compile(r"\$\(if \$\(filter solution,\$\(IMPL\)\),solutions\.\)"), ""),
 ]
-INSTRUCTOR_TARGETS = ("labkit.grading.mutants", "labkit.grading.release")
+# make test runs every test against the solutions and the guarantees that the untouched skeleton fails them:
+# in a learner's copy it would fail as soon as they wrote any code. The edition offers make grade instead.
+INSTRUCTOR_TARGETS = ("labkit.grading.mutants", "labkit.grading.release", "labkit.grading.suite")
+# Words for the instructors' checkout that the edition says for its own reader, where they occur
+# (tests/meta/test_release.py greps the edition for what it lacks).
+FOR_LEARNERS = {
+    "Makefile": [
+        (re.compile(r"\(reference solution unless\n## IMPL=student\) "), "(your code)\n## "),
+        (re.compile(r"^## make serve \[IMPL=student\] ", re.M), "## make serve "),
+    ],
+    "README.md": [
+        (re.compile(r"^make test +#.*\n", re.M), ""),
+        (re.compile(r"make grade, make test, the learner edition"), "make grade"),
+    ],
+    "stage04_batching/README.md": [(re.compile(r"-m solutions\.stage04_batching\.serve"), "-m stage04_batching.serve")],
+}
 SOLUTION_IMPORT = re.compile(r"^\s*(from|import)\s+solutions\b|import_module\(\s*['\"]solutions\b", re.M)
 
 
@@ -80,6 +96,8 @@ def write_edition(out: Path, root: Path = ROOT, allow_dirty: bool = False) -> li
         text, n = pattern.subn(new, text)
         if n == 0:
             raise SystemExit(f"Makefile: expected to find {pattern.pattern!r}; update labkit/grading/release.py")
+    for pattern, new in FOR_LEARNERS["Makefile"]:
+        text = pattern.sub(new, text)
     paragraphs = [p for p in text.split("\n\n") if not any(t in p for t in INSTRUCTOR_TARGETS)]
     dropped = {m for p in text.split("\n\n") for m in re.findall(r"^([\w-]+):", p, re.M)} - {
         m for p in paragraphs for m in re.findall(r"^([\w-]+):", p, re.M)
@@ -88,6 +106,15 @@ def write_edition(out: Path, root: Path = ROOT, allow_dirty: bool = False) -> li
     for target in dropped:  # and out of .PHONY
         text = re.sub(rf"^(\.PHONY:.*?) {re.escape(target)}\b", r"\1", text, flags=re.M)
     makefile.write_text(text)
+    for name, subs in FOR_LEARNERS.items():
+        if name != "Makefile" and (out / name).is_file():
+            text = (out / name).read_text()
+            for pattern, new in subs:
+                text = pattern.sub(new, text)
+            (out / name).write_text(text)
+    # The skeleton's TODO list as shipped: the grader and the section marks still need a TODO's name and §
+    # after the learner has replaced its statement with their code.
+    todo.write_manifest(out, [f for f in sorted({p.split("/")[0] for p in kept}) if f.startswith("stage")])
     leaks = [rel for rel in kept if _imports_solutions(out / rel)]
     if leaks:
         raise SystemExit(f"these files import the solutions, which the edition leaves out: {leaks}")

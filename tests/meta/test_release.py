@@ -6,6 +6,7 @@ Skipped inside a learner edition, which has no solutions to leave out.
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -41,6 +42,39 @@ def test_edition_leaves_out_solutions_mutants_and_the_instructors_notes(edition)
     assert "learner edition" in readme and "Threat model" not in readme and "instructors-only" not in readme
     assert "solutions." not in makefile and "labkit.grading.release" not in makefile and "IMPL ?= student" in makefile
     assert (edition / "tests" / "stage01_forward_numpy").is_dir() and (edition / "labkit" / "assets").is_dir()
+
+
+# What an instructor's checkout has and the edition does not: its targets, the solutions, their switch, the notes.
+LACKS = re.compile(
+    r"make (?:test|mutants|student-edition)\b|IMPL=solution|--impl solution|\bsolutions[./]|INSTRUCTORS\.md|ANSWERS\.md"
+)
+
+
+def learner_texts(edition):
+    """(path, text) of what a learner reads: the README, the Makefile, each stage's README and handouts."""
+    for path in [edition / "README.md", edition / "Makefile", *sorted(edition.glob("stage*/README.md"))]:
+        yield path.relative_to(edition), path.read_text()
+    for path in sorted(edition.glob("stage*/*.ipynb")):
+        for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+            yield f"{path.relative_to(edition)} cell {i}", "".join(cell["source"])
+
+
+def test_the_editions_readme_makefile_and_handouts_name_nothing_it_leaves_out(edition):
+    hits = [
+        f"{where}: {line.strip()[:140]}"
+        for where, text in learner_texts(edition)
+        for line in text.splitlines()
+        if LACKS.search(line)
+    ]
+    assert not hits, "instructors' text in the learner edition:\n" + "\n".join(hits)
+    assert "labkit.grading.suite" not in (edition / "Makefile").read_text(), "make test is not the learner's"
+
+
+def test_the_edition_ships_the_skeletons_todo_list(edition):
+    """The grader still knows a TODO's name and section after the learner has written its body."""
+    shipped = json.loads((edition / "tests" / "todos.json").read_text())
+    assert shipped["stage01_forward_numpy"]["gpt2_numpy"][0] == ["softmax", 1, 1], shipped["stage01_forward_numpy"]
+    assert set(shipped) == {f for f, _ in STAGES.values()}
 
 
 def _bodies(tree: ast.AST) -> set[str]:
