@@ -11,7 +11,7 @@ from torch import nn
 from labkit.calibration import record_inputs
 
 from .primitives import quantize_groupwise  # noqa: F401
-from .quant_linear import QuantLinear
+from .quant_linear import QuantLinear, check_group_size
 
 
 class Hessian:
@@ -77,6 +77,7 @@ def gptq_quantize_model(
     calib: (B, T) int64 calibration windows. Layers are done in order; each layer's Hessians come
     from the outputs of the already-quantized layers before it, as in the GPTQ paper.
     """
+    check_group_size(model, group_size)
     x, cos, sin, mask = model.layer_inputs(calib)
     for layer in model.model.layers:
         linears = {name: m for name, m in layer.named_modules() if isinstance(m, nn.Linear)}

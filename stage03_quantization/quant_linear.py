@@ -5,6 +5,8 @@
 `weight_bytes()` counts exactly what it holds, so the memory column of the stage's table is honest.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,6 +78,11 @@ class QuantLinear(nn.Module):
                 packed=pack(codes, 4), absmax_codes=a_codes, absmax_scales=a_scales, absmax_offset=a_offset,
             )  # fmt: skip
         if method == "rtn":
+            if n % group_size:
+                raise ValueError(
+                    f"group_size={group_size} does not divide this layer's input width {n}: a group would "
+                    f"straddle two rows. Pick a group size that divides it, such as {_group_that_fits(n, group_size)}."
+                )
             return cls.from_groupwise(*quantize_groupwise(w, bits, group_size), bits=bits, bias=bias)
         raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
 
@@ -101,6 +108,25 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, fmt={self.fmt}, bits={self.bits}"
+
+
+def check_group_size(model: nn.Module, group_size: int, skip: tuple[str, ...] = ("lm_head",)) -> None:
+    """Refuse, before any work, a group size that does not divide the input width of every Linear
+    that will be quantized (those whose name does not end with an entry of `skip`)."""
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and not name.endswith(skip)}
+    common = math.gcd(*(m.in_features for m in linears.values()))
+    for name, m in linears.items():
+        if m.in_features % group_size:
+            raise ValueError(
+                f"group_size={group_size} does not divide the input width {m.in_features} of {name}: a group "
+                f"would straddle two rows. Pick a group size that divides every layer's width, such as "
+                f"{_group_that_fits(common, group_size)}."
+            )
+
+
+def _group_that_fits(width: int, group_size: int) -> int:
+    """The largest power of two that divides `width` and is at most `group_size` (64 for 576 and 128)."""
+    return math.gcd(width & -width, 1 << (group_size.bit_length() - 1))
 
 
 def quantize_model(

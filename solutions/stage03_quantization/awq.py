@@ -12,7 +12,7 @@ from torch import nn
 from labkit.calibration import record_inputs
 
 from .primitives import dequantize_groupwise, quantize_groupwise
-from .quant_linear import quantize_model
+from .quant_linear import check_group_size, quantize_model
 from .smoothquant import fold_scale
 
 
@@ -76,6 +76,7 @@ def awq_scale_model(
 ) -> nn.Module:
     """Search and fold AWQ scales into every decoder layer, in place. Still float and still exactly
     the same function: only the distribution of magnitudes between ops has changed."""
+    check_group_size(model, group_size)
     x, cos, sin, mask = model.layer_inputs(calib)
     for layer in model.model.layers:
         groups = _scaling_groups(layer, cos, sin, mask)

@@ -557,4 +557,17 @@ MUTANTS = [
         replace="            _, scale, zero = quantize_groupwise(W_hat[:, i : i + group_size] + W[:, i : i + group_size] * (i == 0), bits, group_size)",
         bug="gptq_quantize_slow fits later groups' grids on the wrong weights (only the first group is right)",
     ),
+    # quant_linear.py, gptq.py: the group-size refusal (given code, so the learner sees the message)
+    dict(
+        file="quant_linear.py",
+        find="            if n % group_size:\n                raise ValueError(",
+        replace="            if n % group_size and False:\n                raise ValueError(",
+        bug="RTN takes a group size that does not divide the layer (SmolLM2's 576 with 128) and dies in a reshape",
+    ),
+    dict(
+        file="gptq.py",
+        find="    check_group_size(model, group_size)\n",
+        replace="",
+        bug="GPTQ takes a group size that does not divide the layer and fails deep inside, without naming either",
+    ),
 ]
