@@ -85,11 +85,12 @@ class StreamingLayerCache:
 
 
 def streaming_attention(attn: Attention, x: torch.Tensor, cache: StreamingLayerCache) -> torch.Tensor:
-    """One decode step of one layer over the kept tokens: x (1, 1, hidden) normalised -> (1, 1, hidden).
+    """T new tokens through one layer, one after another: x (1, T, hidden) normalised -> (1, T, hidden).
 
-    Keys are the kept tokens in original order, then the new token; key i is rotated to position
-    i and the query to position n (the number kept), StreamingLLM's positions. Every key's
-    softmax weight, summed over query heads, is added to its score; then the new token is stored.
+    Token t attends over the tokens kept when it arrives, in original order, then itself: key i is
+    rotated to position i and the query to position n (the number kept), StreamingLLM's positions.
+    Every key's softmax weight, summed over query heads, is added to its score; then token t is
+    stored, before token t + 1 attends. No projection depends on the cache: do those for all T at once.
     """
     raise NotImplementedError("stage02: streaming_attention — see lab2.ipynb §7")
 
@@ -106,17 +107,17 @@ class StreamingCache(LayerStack):
 
 @torch.no_grad()
 def forward_streaming(model: Llama, input_ids: torch.Tensor, cache: StreamingCache) -> torch.Tensor:
-    """Logits (1, T, vocab) of input_ids (1, T), fed one token at a time through `cache` (given).
+    """Logits (1, T, vocab) of input_ids (1, T), each token seeing the cache as it was when it came (given).
 
-    Token by token because each step attends over a different kept set.
+    Layer by layer, not token by token: each layer's cache evicts on its own, so what a layer gives
+    token t depends only on that layer's inputs up to t. A layer can then take all T tokens at
+    once and only its attention walks them in order; the projections, MLP and lm_head become
+    matrix products that read each weight once per layer, not once per token.
     """
     if input_ids.shape[0] != 1:
         raise ValueError(f"a streaming cache serves one sequence; got a batch of {input_ids.shape[0]}")
-    out = []
-    for t in range(input_ids.shape[1]):
-        x = model.model.embed_tokens(input_ids[:, t : t + 1])
-        for layer, layer_cache in zip(model.model.layers, cache.layers, strict=True):
-            x = x + streaming_attention(layer.self_attn, layer.input_layernorm(x), layer_cache)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        out.append(model.lm_head(model.model.norm(x)))
-    return torch.cat(out, dim=1)
+    x = model.model.embed_tokens(input_ids)
+    for layer, layer_cache in zip(model.model.layers, cache.layers, strict=True):
+        x = x + streaming_attention(layer.self_attn, layer.input_layernorm(x), layer_cache)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(model.model.norm(x))

@@ -136,12 +136,15 @@ def first_token_share(model, ids: torch.Tensor) -> list[float]:
     return shares
 
 
-def eviction_perplexity(n_tokens: int, budget: int) -> dict:
+def eviction_perplexity(n_tokens: int, budget: int, model=None, label: str = "", tokenizer=None) -> dict:
+    """Held-out stories through a `budget`-token cache under each policy, and through a full cache.
+    model, label, tokenizer: default $MODEL's, else the tiny target (stage02b_sinks.py passes SmolLM2)."""
     sinks = load("stage02_kv_cache.sinks")
-    model, label = bench.model()  # $MODEL, else the tiny target: real checkpoints have sinks to show
+    if model is None:
+        (model, label), tokenizer = bench.model(), bench.tokenizer()
     c = model.config
     bos = c.eos_token_id if c.bos_token_id is None else c.bos_token_id  # Qwen has no <s>: stories split on </s>
-    ids = pack(bench.tokenizer(), corpus.valid_texts(), bos=bos, eos=c.eos_token_id)[: n_tokens + 1][None]
+    ids = pack(tokenizer, corpus.valid_texts(), bos=bos, eos=c.eos_token_id)[: n_tokens + 1][None]
     print(f"eviction on {label}")
     policies = {
         "window only": sinks.SinkWindow(0),
@@ -182,7 +185,7 @@ def eviction_perplexity(n_tokens: int, budget: int) -> dict:
         print(
             f"{name:>18}: perplexity {r['perplexity']:.3f}, per {SEGMENT} tokens {[round(s, 2) for s in r['segments']]}"
         )
-    return out
+    return out | {"ids": ids}
 
 
 def main(quick: bool = False) -> bench.Result:
@@ -194,6 +197,7 @@ def main(quick: bool = False) -> bench.Result:
     for name, b in bytes_per_token.items():
         print(f"  {b:6d} B/token fp32  {name}")
     ppl = eviction_perplexity(n_tokens, budget)
+    del ppl["ids"]
     figures = {
         "repeats": repeats,
         "kv_bytes_per_token_fp32": bytes_per_token,

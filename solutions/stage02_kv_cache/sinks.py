@@ -96,29 +96,37 @@ class StreamingLayerCache:
 
 
 def streaming_attention(attn: Attention, x: torch.Tensor, cache: StreamingLayerCache) -> torch.Tensor:
-    """One decode step of one layer over the kept tokens: x (1, 1, hidden) normalised -> (1, 1, hidden).
+    """T new tokens through one layer, one after another: x (1, T, hidden) normalised -> (1, T, hidden).
 
-    Keys are the kept tokens in original order, then the new token; key i is rotated to position
-    i and the query to position n (the number kept), StreamingLLM's positions. Every key's
-    softmax weight, summed over query heads, is added to its score; then the new token is stored.
+    Token t attends over the tokens kept when it arrives, in original order, then itself: key i is
+    rotated to position i and the query to position n (the number kept), StreamingLLM's positions.
+    Every key's softmax weight, summed over query heads, is added to its score; then token t is
+    stored, before token t + 1 attends. No projection depends on the cache: do those for all T at once.
     """
-    c = attn.c
-    q = attn.q_proj(x).view(1, 1, c.num_attention_heads, c.head_dim).transpose(1, 2)
-    k = attn.k_proj(x).view(1, 1, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-    v = attn.v_proj(x).view(1, 1, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-    slots = cache.kept()
-    n = len(slots)
-    keys = torch.cat([cache.k[:, :, slots], k], dim=2)  # (1, n_kv, n + 1, D)
-    values = torch.cat([cache.v[:, :, slots], v], dim=2)
-    cos, sin = rope_cos_sin(torch.arange(n + 1), c.head_dim, c.rope_theta, x.dtype)
-    keys, q = apply_rope(keys, cos, sin), apply_rope(q, cos[n:], sin[n:])
+    c, T = attn.c, x.shape[1]
+    q = attn.q_proj(x).view(1, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+    k = attn.k_proj(x).view(1, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+    v = attn.v_proj(x).view(1, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+    # Ranks never exceed the budget: one table of angles serves every step.
+    cos, sin = rope_cos_sin(torch.arange(cache.budget + 1), c.head_dim, c.rope_theta, x.dtype)
     n_rep = c.num_attention_heads // c.num_key_value_heads
-    weights = (q @ repeat_kv(keys, n_rep).transpose(-1, -2) / math.sqrt(c.head_dim)).softmax(dim=-1)
-    y = weights @ repeat_kv(values, n_rep)  # (1, H, 1, D)
-    received = weights.sum(dim=(0, 1, 2))  # (n + 1,)
-    cache.score[slots] += received[:n]
-    cache.store(k, v, float(received[n]))
-    return attn.o_proj(y.transpose(1, 2).reshape(1, 1, -1))
+    out = []
+    for t in range(T):
+        k_t, v_t = k[:, :, t : t + 1], v[:, :, t : t + 1]
+        slots = cache.kept()
+        n = len(slots)
+        keys = torch.cat([cache.k[:, :, slots], k_t], dim=2)  # (1, n_kv, n + 1, D)
+        values = torch.cat([cache.v[:, :, slots], v_t], dim=2)
+        rank = torch.arange(n + 1)  # StreamingLLM's positions: the kept tokens in order, then token t
+        keys = apply_rope(keys, cos[rank], sin[rank])
+        q_t = apply_rope(q[:, :, t : t + 1], cos[n : n + 1], sin[n : n + 1])
+        weights = (q_t @ repeat_kv(keys, n_rep).transpose(-1, -2) / math.sqrt(c.head_dim)).softmax(dim=-1)
+        out.append(weights @ repeat_kv(values, n_rep))  # (1, H, 1, D)
+        received = weights.sum(dim=(0, 1, 2))  # (n + 1,)
+        cache.score[slots] += received[:n]
+        cache.store(k_t, v_t, float(received[n]))
+    y = torch.cat(out, dim=2)  # (1, H, T, D)
+    return attn.o_proj(y.transpose(1, 2).reshape(1, T, -1))
 
 
 class StreamingCache(LayerStack):
@@ -133,17 +141,17 @@ class StreamingCache(LayerStack):
 
 @torch.no_grad()
 def forward_streaming(model: Llama, input_ids: torch.Tensor, cache: StreamingCache) -> torch.Tensor:
-    """Logits (1, T, vocab) of input_ids (1, T), fed one token at a time through `cache` (given).
+    """Logits (1, T, vocab) of input_ids (1, T), each token seeing the cache as it was when it came (given).
 
-    Token by token because each step attends over a different kept set.
+    Layer by layer, not token by token: each layer's cache evicts on its own, so what a layer gives
+    token t depends only on that layer's inputs up to t. A layer can then take all T tokens at
+    once and only its attention walks them in order; the projections, MLP and lm_head become
+    matrix products that read each weight once per layer, not once per token.
     """
     if input_ids.shape[0] != 1:
         raise ValueError(f"a streaming cache serves one sequence; got a batch of {input_ids.shape[0]}")
-    out = []
-    for t in range(input_ids.shape[1]):
-        x = model.model.embed_tokens(input_ids[:, t : t + 1])
-        for layer, layer_cache in zip(model.model.layers, cache.layers, strict=True):
-            x = x + streaming_attention(layer.self_attn, layer.input_layernorm(x), layer_cache)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        out.append(model.lm_head(model.model.norm(x)))
-    return torch.cat(out, dim=1)
+    x = model.model.embed_tokens(input_ids)
+    for layer, layer_cache in zip(model.model.layers, cache.layers, strict=True):
+        x = x + streaming_attention(layer.self_attn, layer.input_layernorm(x), layer_cache)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(model.model.norm(x))

@@ -243,17 +243,14 @@ MUTANTS = [
     # sinks.py: streaming_attention
     dict(
         file="sinks.py",
-        find="cos, sin = rope_cos_sin(torch.arange(n + 1), c.head_dim, c.rope_theta, x.dtype)",
-        replace=(
-            "cos, sin = rope_cos_sin(torch.cat([cache.pos[slots], torch.tensor([cache.length])]), "
-            "c.head_dim, c.rope_theta, x.dtype)"
-        ),
+        find="keys = apply_rope(keys, cos[rank], sin[rank])",
+        replace="keys = apply_rope(keys, *rope_cos_sin(torch.cat([cache.pos[slots], torch.tensor([cache.length])]), c.head_dim, c.rope_theta, x.dtype))",
         bug="streaming_attention rotates by original positions, not by rank in the cache",
     ),
     dict(
         file="sinks.py",
-        find="weights = (q @ repeat_kv(keys, n_rep).transpose(-1, -2)",
-        replace="weights = (q @ keys.repeat(1, n_rep, 1, 1).transpose(-1, -2)",
+        find="weights = (q_t @ repeat_kv(keys, n_rep).transpose(-1, -2)",
+        replace="weights = (q_t @ keys.repeat(1, n_rep, 1, 1).transpose(-1, -2)",
         bug="streaming_attention tiles the KV heads (repeat) instead of interleaving them (repeat_kv) for GQA",
     ),
     dict(
@@ -270,8 +267,14 @@ MUTANTS = [
     ),
     dict(
         file="sinks.py",
-        find="cache.store(k, v, float(received[n]))",
-        replace="cache.store(k, v, 0.0)",
+        find="cache.store(k_t, v_t, float(received[n]))",
+        replace="cache.store(k_t, v_t, 0.0)",
         bug="streaming_attention stores the new token with score 0, dropping the weight it got from itself",
+    ),
+    dict(
+        file="sinks.py",
+        find="        cache.store(k_t, v_t, float(received[n]))\n    y = torch.cat(out, dim=2)",
+        replace="    for t in range(T):\n        cache.store(k[:, :, t : t + 1], v[:, :, t : t + 1], 0.0)\n    y = torch.cat(out, dim=2)",
+        bug="streaming_attention stores the chunk's tokens only after all of them attended: token t never sees tokens < t of its chunk",
     ),
 ]
