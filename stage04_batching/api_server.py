@@ -241,30 +241,41 @@ async def final_outputs(queues: list[asyncio.Queue], timeout: float) -> list[Req
 
 async def merge_streams(streams: list[AsyncIterator[str]], reply: ResponseBuilder) -> AsyncIterator[str]:
     """The events of a request's n streams as one: each choice's chunks as they come; an error event ends
-    them all; then the usage chunk (stream_options.include_usage) and a single [DONE]. Closing this
-    generator (the client left) cancels the streams, and each aborts its sequence."""
+    the others; then the usage chunk (stream_options.include_usage) and one [DONE], sent once every stream
+    still running has sent its own. Closing this generator (the client left) cancels the streams, and
+    each aborts its sequence."""
     events: asyncio.Queue = asyncio.Queue()
 
-    async def pump(stream: AsyncIterator[str]) -> None:
+    async def pump(i: int, stream: AsyncIterator[str]) -> None:
         try:
             async for event in stream:
-                events.put_nowait(event)
+                events.put_nowait((i, event))
         finally:
-            events.put_nowait(None)
+            events.put_nowait((i, None))
 
-    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
     try:
-        ended, failed = 0, False
-        while ended < len(tasks) and not failed:
-            event = await events.get()
+        ended, done, failed = set(), set(), None
+        while len(ended) < len(tasks):
+            i, event = await events.get()
             if event is None:
-                ended += 1
-            elif event != SSE_DONE:
-                failed = event.startswith('data: {"error"')
+                ended.add(i)
+            elif event == SSE_DONE:
+                done.add(i)
+            elif failed is None:
                 yield event
-        if reply.include_usage and not failed:
-            yield sse(reply.usage_chunk())
-        yield SSE_DONE
+                if event.startswith('data: {"error"'):
+                    failed = i
+                    for j, task in enumerate(tasks):
+                        if j != i:
+                            task.cancel()
+        if failed is not None:
+            if failed in done:
+                yield SSE_DONE
+        elif len(done) == len(tasks):
+            if reply.include_usage:
+                yield sse(reply.usage_chunk())
+            yield SSE_DONE
     finally:
         for task in tasks:
             task.cancel()
