@@ -6,11 +6,15 @@ runs in a worker process (labkit.grading.worker) unless the test is marked `in_p
 tried.
 """
 
+import ast
 import io
 import json
 import os
 import pickle
+import re
 import shutil
+import subprocess
+import sys
 import textwrap
 import uuid
 
@@ -473,3 +477,80 @@ def test_the_reference_solution_submitted_as_a_submission_is_complete(tmp_path):
     assert {t["in_process"] for t in tests} == {True, False}, "02b no longer has both routes"
     (row,) = grade.grade(["02b"], tmp_path, timeout=600)
     assert (row["status"], row["passed"]) == ("complete", row["total"]), row
+
+
+# --- the learner's first hour (issue 35): the grader shows each failure's own message -------------
+
+
+def planted_course(tmp_path, stage: str = "01") -> tuple[object, list]:
+    """A copy of the course whose stage folder holds the solution with one catalogued learner bug in each
+    handout section (plus the causal mask's offset bug), and the skeleton's TODO list as the edition ships it.
+    Returns (the copy, the planted mutants)."""
+    from labkit import STAGES
+    from labkit.grading import mutants
+
+    folder = STAGES[stage][0]
+    course = tmp_path / "course"
+    skip = shutil.ignore_patterns(".venv", ".git", "__pycache__", "bench_results", "*.ipynb", ".grade", ".ruff_cache")
+    shutil.copytree(ROOT, course, ignore=skip)
+    todo.write_manifest(course, [folder])
+    sections = {name: sec for found in todo.stage_todos(ROOT, folder).values() for name, sec in found}
+    texts = {p.name: p.read_text() for p in (ROOT / "solutions" / folder).glob("*.py") if p.name != "__init__.py"}
+    planted, seen = [], set()
+    for m in mutants.load(stage):
+        text = texts[m.file]
+        if m.find not in text:
+            continue  # an earlier planted edit changed these lines
+        line = text[: text.index(m.find)].count("\n") + 1
+        function = next(
+            (
+                n.name
+                for n in ast.parse(text).body
+                if isinstance(n, ast.FunctionDef) and n.lineno <= line <= n.end_lineno
+            ),
+            None,
+        )
+        section = sections.get(function)
+        causal = "causal mask ignores the offset" in m.bug
+        if m.equivalent or section is None or (section in seen and not causal):
+            continue
+        seen.add(section)
+        texts[m.file] = text.replace(m.find, m.replace)
+        planted.append((m, function))
+    for name, text in texts.items():
+        (course / folder / name).write_text(text)
+    return course, planted
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (ROOT / "solutions").is_dir(), reason="plants bugs in the solutions, which the edition lacks")
+def test_make_grade_shows_each_planted_bugs_own_assertion_message(tmp_path):
+    """One catalogued bug per stage 01 section, all at once: every failing TODO's line carries the
+    test's own words (more than the exception's name, as pytest prints them), each bug shows in its
+    section or a later one, and the causal mask's offset bug shows the query positions."""
+    course, planted = planted_course(tmp_path)
+    env = os.environ | {"PYTHONPATH": str(course), "OMP_NUM_THREADS": "1"}
+    env.pop("LABS_IMPL", None)
+    report = tmp_path / "report.json"
+    cmd = [sys.executable, "-m", "labkit.grading.grade", "--stage", "01", "--json", str(report)]
+    out = subprocess.run(cmd, cwd=course, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = {t["name"]: t for t in json.loads(report.read_text())["stages"][0]["todos"]}
+    assert len(planted) >= 10, [m.name for m, _ in planted]
+    failing = [t for t in lines.values() if t["state"] == "fails"]
+    for m, function in planted:  # caught by its section's tests, or by a later section's (rms_norm's eps: §9)
+        k = int(lines[function]["section"].lstrip("§"))
+        assert any(int(t["section"].lstrip("§")) >= k for t in failing), f"{m.name} ({m.bug}) shows nowhere"
+    for line in failing:
+        words = [w for w in line["message"].splitlines() if w.strip() and not re.fullmatch(r"\w+Error:?", w.strip())]
+        assert words, f"{line['name']}: only the exception's name reached the report: {line['message']!r}"
+        assert all(w[:150] in out.stdout for w in words[:3]), f"{line['name']}: {words[:3]} not in the output"
+    assert "Tq=3 queries at positions 8..10" in out.stdout, out.stdout[-4000:]
+
+
+def test_the_instructors_report_does_not_end_with_the_learners_next_step(capsys):
+    row = {"stage": "01", "folder": "stage01_forward_numpy", "passed": 1, "total": 1, "score": 100.0}
+    grade.print_table([row | {"status": "complete", "hint": "", "todos": []}], verbose=False, learner=False)
+    assert "lab.ipynb" not in capsys.readouterr().out
+    grade.print_table([row | {"status": "complete", "hint": "", "todos": []}], verbose=False)
+    assert "Work a stage in its lab.ipynb" in capsys.readouterr().out
