@@ -209,3 +209,28 @@ def test_notebook_runs_top_to_bottom_against_the_solution(folder, notebook, monk
     ).execute()
     took = time.perf_counter() - t0
     assert took < NOTEBOOK_BUDGET_S, f"{folder}/{notebook} took {took:.0f} s; the budget is {NOTEBOOK_BUDGET_S} s"
+
+
+@pytest.mark.parametrize("folder, notebook", NOTEBOOKS)
+def test_notebook_cells_call_no_later_sections_todo(folder, notebook):
+    # A learner runs a handout as they go: a cell of §k may call the TODOs of §k and before, not a later
+    # section's (stage 01's §4 once needed §5's loader). Calls through the names `load("stageNN_x.module")`
+    # binds; a given function that calls a TODO is not followed.
+    todos = {
+        (module, name.split(".")[-1]): section
+        for module, found in todo.stage_todos(ROOT, folder).items()
+        for name, section in found
+    }
+    part = int(notebook.removesuffix(".ipynb")[3:] or 1)
+    section, aliases, ahead = (part, 0), {}, []
+    for i, cell in enumerate(json.loads((ROOT / folder / notebook).read_text())["cells"]):
+        source = "".join(cell["source"])
+        if cell["cell_type"] == "markdown":
+            if m := re.search(r"^## §(\d+)", source, re.M):
+                section = (part, int(m.group(1)))
+            continue
+        aliases |= dict(re.findall(rf"(\w+)\s*=\s*load\(\s*[\"']{folder}\.(\w+)[\"']", source))
+        for alias, attr in re.findall(r"\b(\w+)\.(\w+)\b", source):
+            if (later := todos.get((aliases.get(alias), attr))) and later > section:
+                ahead.append(f"cell {i} (§{section[1]}) calls {aliases[alias]}.{attr} of §{later[1]}")
+    assert not ahead, f"{folder}/{notebook}: " + "; ".join(ahead)
