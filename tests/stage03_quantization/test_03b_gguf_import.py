@@ -282,8 +282,8 @@ def test_03b_config_from_gguf_refuses_what_it_cannot_express(impl, tmp_path):
 
 
 def reference_tokenizer(pre: str) -> Tokenizer:
-    """The tiny target's own tokenizer.json; for "smollm", with SmolLM2's pre-tokenizer (digits one by one,
-    then GPT-2's byte-level split, as its tokenizer.json on the Hub writes it); and the <tool> token."""
+    """The tiny target's own tokenizer.json; for "smollm", with llama.cpp's split for that name (every numeric
+    character alone, then GPT-2's regex) written as a Digits pre-tokenizer before ByteLevel; and the <tool> token."""
     tok = json.loads((labkit.TARGET / "tokenizer.json").read_text())
     if pre == "smollm":
         tok["pre_tokenizer"] = {
@@ -427,8 +427,8 @@ def test_03b_real_model_imports_like_transformers(impl, real_gguf, tmp_path):
 
     tok = AutoTokenizer.from_pretrained(real_gguf.parent, gguf_file=real_gguf.name)
     # transformers' GGUF loader does not know the pre-tokenizer "smollm" and keeps GPT-2's split alone,
-    # which joins "½" or "²" to what precedes them; llama.cpp, and SmolLM2's own tokenizer.json, split
-    # every numeric character first. The reference takes that split, written as SmolLM2's tokenizer.json has it.
+    # which joins "½" or "²" to what precedes them; llama.cpp's "smollm" split (llama-vocab.cpp) isolates
+    # every numeric character first. The reference takes that split, written as a Digits pre-tokenizer.
     tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
