@@ -169,12 +169,15 @@ def test_converted_folder_matches_transformers_gguf_loader():
 
     gguf_file = gguf_model.installed_gguf()
     kw = dict(gguf_file=gguf_file.name)
-    theirs = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **kw).state_dict()
-    ours = real_hf().state_dict()
+    their_model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype=torch.float32, **kw).eval()
+    theirs, ours = their_model.state_dict(), real_hf().state_dict()
     assert set(ours) == set(theirs), f"tensor names differ: {sorted(set(ours) ^ set(theirs))}"
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), f"{name}: not bit-identical to transformers' GGUF loader"
-    del theirs
+    with torch.no_grad():  # config.json too: the same weights under our config give their logits exactly
+        ids = real_ids(64)[None]
+        assert torch.equal(real_hf()(ids).logits, their_model(ids).logits), "logits differ: check config.json"
+    del their_model, theirs
     their_tok = AutoTokenizer.from_pretrained(gguf_file.parent, **kw)
     our_tok, folder_tok = load_tokenizer(require_real_model()), AutoTokenizer.from_pretrained(require_real_model())
     for text in TEXTS:
