@@ -112,7 +112,7 @@ def forward_streaming(model: Llama, input_ids: torch.Tensor, cache: StreamingCac
     Layer by layer, not token by token: each layer's cache evicts on its own, so what a layer gives
     token t depends only on that layer's inputs up to t. A layer can then take all T tokens at
     once and only its attention walks them in order; the projections, MLP and lm_head become
-    matrix products that read each weight once per layer, not once per token.
+    matrix products that read each weight once per call, not once per token.
     """
     if input_ids.shape[0] != 1:
         raise ValueError(f"a streaming cache serves one sequence; got a batch of {input_ids.shape[0]}")

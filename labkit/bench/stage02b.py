@@ -11,7 +11,8 @@ B. The trained tiny target ($MODEL if set) on held-out stories longer than its 1
    fed one token at a time through a fixed-budget cache: window only, 4 sinks + window, H2O; and a
    cache that keeps everything (the plain causal forward pass). Perplexity per 128-token segment,
    and the share of attention position 0 receives in each layer: a model without attention sinks
-   (the tiny target) has nothing for window-only eviction to lose.
+   (the tiny target) has nothing for window-only eviction to lose. stage02b_sinks.py runs this
+   part on SmolLM2, which has them.
 """
 
 import math
