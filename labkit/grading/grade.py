@@ -1,7 +1,7 @@
 """Grade the learner's stage code with the course's tests.
 
     make grade                 every row (stage, or a stage's part 2 such as 02b), a table
-    make grade STAGE=02        one row, with every failing test listed
+    make grade STAGE=02        one row: a line per TODO, failures in the test's own words
     python -m labkit.grading.grade --json report.json
     python -m labkit.grading.grade --submission ~/my-course-copy    (instructors)
 
@@ -9,9 +9,9 @@ A row's score is computed over its canonical test IDs, collected before any lear
 imported, with the marks tests/conftest.py puts on them: each test's handout section (`s3`), the
 TODOs it calls, and `in_process`. A TODO whose statement is still in the learner's file is not
 started: the tests of a section whose TODOs are all untouched are reported "not started" without
-running. The others run; outcomes come back one test at a time through a pipe
-(labkit.grading.outcomes), and a test that never reports (a crash, an early exit, a time limit)
-counts as failed. `make grade STAGE=NN` prints one line per TODO, in handout order, with the first
+running, and a stage with nothing started is reported without even collecting its tests (total
+"–"). The others run; outcomes come back one test at a time through a pipe (labkit.grading.outcomes),
+and a test that never reports (a crash, an early exit, a time limit) counts as failed. `make grade STAGE=NN` prints one line per TODO, in handout order, with the first
 failing test's own message under a TODO that fails; the first TODO not done is the hint.
 
 With --submission, the learner's code runs in a worker process the tests call (labkit.grading.worker),
@@ -281,12 +281,25 @@ def grade_row(course: Path, number: str, tests: list[dict], env: dict, timeout: 
     files = row_tests(course, number)
     source = source or course
     todos = row_todos(course, source, number)
-    any_started = any(
-        not todo.untouched(course, folder, module, name)
-        for module, found in todo.stage_todos(source, folder).items()
-        for name, _ in found
-    )
-    skip = not_started(tests, todos, any_started)
+    if tests is None:  # nothing of the stage started (self-assessment): no pytest, which would import torch for nothing
+        lines = [line | {"todo": _todo_message(number, line)} for line in todo_report(todos, [], {}, folder, course)]
+        first = lines[0] if lines else {"todo": "", "where": ""}
+        return {
+            "stage": number,
+            "folder": folder,
+            "title": title,
+            "passed": 0,
+            "total": None,
+            "skipped": 0,
+            "not_started": None,
+            "score": 0.0,
+            "status": "not started",
+            "hint": first["todo"] + (f"  [{first['where']}]" if first.get("where") else ""),
+            "seconds": 0.0,
+            "todos": lines,
+            "failures": [],
+        }
+    skip = not_started(tests, todos, started(course, source, folder))
     run = [t for t in tests if t["id"] not in skip]
     if submission is None:
         records, ended = run_row(course, [*files, *deselect(skip)], env, timeout, None) if run else ([], NOTHING_RUN)
@@ -299,9 +312,7 @@ def grade_row(course: Path, number: str, tests: list[dict], env: dict, timeout: 
     cases = [by_id[t["id"]] for t in tests]
     lines = todo_report(todos, tests, by_id, folder, course)
     for line in lines:
-        line["todo"] = (
-            f"stage{number[:2]}: {line['name']} — see lab{_nb(line['section'])}.ipynb §{line['section'].split('§')[1]}"
-        )
+        line["todo"] = _todo_message(number, line)
     graded = [c for c in cases if c["outcome"] != "skipped"]
     passed = sum(c["outcome"] == "passed" for c in graded)
     st, hint = status(cases, ended, tampered, lines)
@@ -325,8 +336,19 @@ def grade_row(course: Path, number: str, tests: list[dict], env: dict, timeout: 
 NOTHING_RUN = {"returncode": 0, "timed_out": False, "seconds": 0.0}
 
 
-def _nb(section: str) -> str:
-    return section[3] if section.startswith("lab") else ""
+def _todo_message(number: str, line: dict) -> str:
+    """The skeleton's TODO message: stage01: softmax — see lab.ipynb §1."""
+    notebook = line["section"][3] if line["section"].startswith("lab") else ""
+    return f"stage{number[:2]}: {line['name']} — see lab{notebook}.ipynb §{line['section'].split('§')[1]}"
+
+
+def started(course: Path, source: Path, folder: str) -> bool:
+    """Whether the learner has started any TODO of the stage folder (either part)."""
+    return any(
+        not todo.untouched(course, folder, module, name)
+        for module, found in todo.stage_todos(source, folder).items()
+        for name, _ in found
+    )
 
 
 def deselect(ids) -> list[str]:
@@ -366,7 +388,7 @@ def print_table(rows: list[dict], verbose: bool, learner: bool = True) -> None:
     print(f"{'stage':<28} {'passed':>9} {'score':>6}  status")
     print("-" * 78)
     for r in rows:
-        frac = f"{r['passed']}/{r['total']}"
+        frac = f"{r['passed']}/{r['total'] if r['total'] is not None else '–'}"
         print(f"{r['stage'] + ' ' + r['folder']:<28} {frac:>9} {r['score']:>5.0f}%  {r['status']}")
         for line in r["todos"] if verbose else []:
             print(f"{'':<4}{_todo_line(line)}")
@@ -468,9 +490,11 @@ def submission_env(course: Path) -> dict:
 def grade(numbers: list[str], submission: Path | None, timeout: float, sandboxed=True, source: Path = ROOT) -> list:
     """Rows for `numbers`: of the course at `source` itself, or of a submission graded in a clean copy."""
     if submission is None:
-        env = os.environ | {"LABS_IMPL": "student", "PYTHONPATH": str(source), "TRITON_INTERPRET": triton_interpret()}
-        tests = collect(source, numbers, env)
-        return [_progress(n) or grade_row(source, n, tests[n], env, timeout) for n in numbers]
+        begun = [n for n in numbers if started(source, source, STAGES[n][0])]
+        env = os.environ | {"LABS_IMPL": "student", "PYTHONPATH": str(source)}
+        env |= {"TRITON_INTERPRET": triton_interpret()} if begun else {}  # (asks torch whether there is a GPU)
+        tests = collect(source, begun, env)
+        return [_progress(n) or grade_row(source, n, tests.get(n), env, timeout) for n in numbers]
     with tempfile.TemporaryDirectory() as tmp:
         course = prepare_submission(submission, Path(tmp), source)
         env = submission_env(course)

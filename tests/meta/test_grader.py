@@ -105,8 +105,8 @@ def rows(course, numbers=("01",), timeout=120, submission=None):
 
 def test_untouched_stage_is_not_started_with_the_earliest_handout_hint(course):
     (row,) = rows(course)
-    assert (row["status"], row["passed"], row["total"]) == ("not started", 0, 2)
-    assert (row["not_started"], row["seconds"]) == (2, 0.0), "untouched TODOs' tests should not run"
+    assert (row["status"], row["passed"], row["seconds"]) == ("not started", 0, 0.0), row
+    assert row["total"] is None, "an untouched stage is reported without collecting (pytest would import torch)"
     assert "stage01: add — see lab.ipynb §1" in row["hint"], "the hint should point to the earliest section (§1)"
     assert "stage01_forward_numpy/toy.py:" in row["hint"], "the hint should name the learner's file and line"
 

@@ -101,5 +101,5 @@ def test_part_two_is_its_own_grader_row(course, tmp_path):
     out = run(course, "-m", "labkit.grading.grade", "--stage", "2b", "--json", str(tmp_path / "r.json"))
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     (row,) = json.loads((tmp_path / "r.json").read_text())["stages"]
-    assert (row["stage"], row["status"], row["total"]) == ("02b", "not started", 1), row
+    assert (row["stage"], row["status"], row["total"]) == ("02b", "not started", None), row  # nothing started
     assert "stage02: square — see lab2.ipynb §1" in row["hint"], row["hint"]
