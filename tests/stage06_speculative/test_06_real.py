@@ -1,4 +1,4 @@
-"""§2–§3 on the real model: greedy speculative decoding of SmolLM2-135M-Instruct, drafted by its own
+"""§9 (§2–§3 on the real model): greedy speculative decoding of SmolLM2-135M-Instruct, drafted by its own
 first layers (labkit.early_exit), gives exactly Hugging Face's greedy tokens on real text."""
 
 import pytest
