@@ -194,7 +194,8 @@ def prefix_cache_ttft(engine_mod, sequence, model, vocab: int, n: int) -> list[d
 def server_vs_naive(engine_mod, sequence, model, concurrency: list[int], n: int) -> dict:
     """The continuous-batching server vs the same server limited to one request at a time
     (max_num_seqs=1), driven by labkit.bench.loadtest; plus the server's overhead over the offline engine."""
-    from labkit.bench.loadtest import run, serving, workload
+    from labkit.bench.loadtest import run, workload
+    from labkit.serving import serving
 
     server = load("stage04_batching.api_server")
     tok = bench.tokenizer()
