@@ -32,10 +32,14 @@ def cached_step(model, prompt: list[int]):
 
 
 def main(quick: bool = False) -> bench.Result:
-    gen = load("stage02_kv_cache.generate")
     lengths, new_tokens, repeats = ((128, 256), 8, 1) if quick else ((256, 512, 1024), 32, 3)
-    model, which = bench.model()
-    text = heldout(bench.tokenizer(), n_tokens=max(lengths), seq=max(lengths))[0].tolist()
+    return run(*bench.model(), bench.tokenizer(), lengths, new_tokens, repeats, 20 if quick else 100)
+
+
+def run(model, which: str, tokenizer, lengths, new_tokens: int, repeats: int, step_repeats: int) -> bench.Result:
+    """The comparison on `model` (stage02_real.py runs it on SmolLM2)."""
+    gen = load("stage02_kv_cache.generate")
+    text = heldout(tokenizer, n_tokens=max(lengths), seq=max(lengths))[0].tolist()
     rows = []
     for n in lengths:
         prompt = text[: n - new_tokens]
@@ -45,7 +49,7 @@ def main(quick: bool = False) -> bench.Result:
             repeats=repeats,
             warmup=0,
         )
-        step = bench.measure(cached_step(model, text[: n - 1]), repeats=20 if quick else 100, warmup=3)
+        step = bench.measure(cached_step(model, text[: n - 1]), repeats=step_repeats, warmup=3)
         rows.append(
             {
                 "total_tokens": n,
