@@ -2,6 +2,7 @@
 
     make bench STAGE=06                      (LABS_IMPL=solution; IMPL=student times your own code)
     make bench STAGE=06 MODEL=dir DRAFT=dir  (your own target/draft pair, sharing a tokenizer)
+    make bench STAGE=06_real                 (the real model drafted by its own first layers: stage06_real.py)
 
 Batch 1, greedy, held-out story prompts. For each k: acceptance rate, the per-token acceptance
 alpha, tokens per target forward, and the wall-clock speedup over the target's own cached greedy
@@ -13,6 +14,8 @@ The prediction uses Leviathan et al.'s formula with two measured costs: c (draft
 step) and v(k) (one target forward over k + 1 tokens / one target step; the paper assumes 1, which
 holds on a memory-bound GPU but not for a CPU).
 """
+
+import os
 
 import torch
 
@@ -49,6 +52,11 @@ def hf_generate(hf_target, prompt: list[int], n: int, assistant=None, k: int = 0
 
 @torch.inference_mode()
 def main(quick: bool = False) -> bench.Result:
+    if os.environ.get("MODEL") == "real" and not os.environ.get("DRAFT"):
+        raise SystemExit(
+            "MODEL=real needs a draft with its tokenizer, and the tiny draft has another: run "
+            "`make bench STAGE=06_real` (SmolLM2 drafted by its own first layers), or pass DRAFT=<folder>."
+        )
     spec = load("stage06_speculative.speculative")
     speedup = load("stage06_speculative.speedup")
     # Batch-1 decoding of a 6.6M-parameter model gains nothing from intra-op threads; on a shared
