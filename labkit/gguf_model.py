@@ -272,9 +272,7 @@ def convert(gguf_file: str | Path, out: str | Path, log=lambda msg: None) -> Pat
     log(
         f"read the metadata of {gguf_file.name} ({time.perf_counter() - t0:.1f} s); dequantizing {len(reader.tensors)} tensors"
     )
-    state = read_weights(reader, config, gguf_file)
-    if config["tie_word_embeddings"]:
-        state.pop("lm_head.weight", None)
+    state = read_weights(reader, config, gguf_file)  # no output.weight when tied: nothing to drop
     log(f"dequantized ({time.perf_counter() - t0:.1f} s); building the tokenizer")
     tokenizer = build_tokenizer(meta, gguf_file)
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
