@@ -281,7 +281,8 @@ def grade_row(course: Path, number: str, tests: list[dict], env: dict, timeout: 
     files = row_tests(course, number)
     source = source or course
     todos = row_todos(course, source, number)
-    if tests is None:  # nothing of the stage started (self-assessment): no pytest, which would import torch for nothing
+    any_started = started(course, source, folder)
+    if tests is None and not any_started:  # self-assessment: no pytest, which would import torch for nothing
         lines = [line | {"todo": _todo_message(number, line)} for line in todo_report(todos, [], {}, folder, course)]
         first = lines[0] if lines else {"todo": "", "where": ""}
         return {
@@ -299,10 +300,11 @@ def grade_row(course: Path, number: str, tests: list[dict], env: dict, timeout: 
             "todos": lines,
             "failures": [],
         }
-    skip = not_started(tests, todos, started(course, source, folder))
+    if tests is None:  # self-assessment: one pytest run collects, leaves out what is not started, runs the rest
+        records, ended, tests = run_collecting(course, number, files, env, timeout, skip_marks(todos, any_started))
+    skip = not_started(tests, todos, any_started)
     run = [t for t in tests if t["id"] not in skip]
     if submission is None:
-        records, ended = run_row(course, [*files, *deselect(skip)], env, timeout, None) if run else ([], NOTHING_RUN)
         cases, tampered = outcomes([t["id"] for t in run], records, ended)
     else:
         cases, ended, tampered = grade_submission_row(course, files, run, skip, env, timeout, submission["hide"])
@@ -333,7 +335,24 @@ def grade_row(course: Path, number: str, tests: list[dict], env: dict, timeout: 
     }
 
 
-NOTHING_RUN = {"returncode": 0, "timed_out": False, "seconds": 0.0}
+def skip_marks(todos: list[dict], any_started: bool) -> list[str]:
+    """The section marks (tests/conftest.py's names: s3, lab2_s1) whose TODOs are all untouched; "-" stands for
+    the tests of no section while nothing of the stage is started (as in not_started)."""
+    started_ = {tuple(t["section"]) for t in todos if t["started"]}
+    sections = {tuple(t["section"]) for t in todos} - started_
+    return [f"s{k}" if nb == 1 else f"lab{nb}_s{k}" for nb, k in sorted(sections)] + ([] if any_started else ["-"])
+
+
+def run_collecting(course: Path, number: str, files: list[str], env: dict, timeout: float, skip: list[str]):
+    """(records, how it ended, the row's tests): a run that reports its collection too, so self-assessment
+    starts pytest once per row, as plain pytest does."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tests.json"
+        extra = {"LABKIT_COLLECT": str(path), "LABKIT_SKIP_SECTIONS": " ".join(skip)}
+        records, ended = run_row(course, files, env | extra, timeout, None)
+        if path.is_file():
+            return records, ended, json.loads(path.read_text())
+    return records, ended, collect(course, [number], env)[number]  # the run died before its collection ended
 
 
 def _todo_message(number: str, line: dict) -> str:
@@ -493,8 +512,7 @@ def grade(numbers: list[str], submission: Path | None, timeout: float, sandboxed
         begun = [n for n in numbers if started(source, source, STAGES[n][0])]
         env = os.environ | {"LABS_IMPL": "student", "PYTHONPATH": str(source)}
         env |= {"TRITON_INTERPRET": triton_interpret()} if begun else {}  # (asks torch whether there is a GPU)
-        tests = collect(source, begun, env)
-        return [_progress(n) or grade_row(source, n, tests.get(n), env, timeout) for n in numbers]
+        return [_progress(n) or grade_row(source, n, None, env, timeout) for n in numbers]
     with tempfile.TemporaryDirectory() as tmp:
         course = prepare_submission(submission, Path(tmp), source)
         env = submission_env(course)

@@ -159,32 +159,43 @@ def _deepest_learner_frame(longrepr) -> str:
 
 
 class Collect:
-    """--collect-only with LABKIT_COLLECT=path: each test's ID and the marks the grader reads, as JSON."""
+    """LABKIT_COLLECT=path: each test's ID and the marks the grader reads, written as JSON once the course's
+    conftest has marked them; LABKIT_SKIP_SECTIONS="s2 lab2_s1 -": deselect those sections' tests ("-": the
+    tests of no section), which the grader reports as not started without running them."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, skip: set[str]):
+        self.path, self.skip = path, skip
 
-    def pytest_collection_finish(self, session):
-        tests = []
-        for item in session.items:
+    @pytest.hookimpl(trylast=True)  # after tests/conftest.py has put its marks on
+    def pytest_collection_modifyitems(self, config, items):
+        tests, drop = [], []
+        for item in items:
             names = [m.name for m in item.iter_markers()]
-            section = next(([int(m[1] or 1), int(m[2])] for n in names if (m := SECTION_MARK.fullmatch(n))), None)
+            mark = next((n for n in names if SECTION_MARK.fullmatch(n)), None)
+            m = SECTION_MARK.fullmatch(mark or "")
             todos = item.get_closest_marker("todos")
             tests.append(
                 {
                     "id": item.nodeid,
-                    "section": section,
+                    "section": [int(m[1] or 1), int(m[2])] if m else None,
                     "todos": list(todos.args) if todos else [],
                     "in_process": item.get_closest_marker("in_process") is not None,
                 }
             )
+            if (mark or "-") in self.skip:
+                drop.append(item)
         with open(self.path, "w") as f:
             json.dump(tests, f)
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            dropped = {id(i) for i in drop}
+            items[:] = [i for i in items if id(i) not in dropped]
 
 
 def pytest_configure(config):
     if path := os.environ.pop("LABKIT_COLLECT", None):
-        config.pluginmanager.register(Collect(path), "labkit-collect")
+        skip = set(os.environ.pop("LABKIT_SKIP_SECTIONS", "").split())
+        config.pluginmanager.register(Collect(path, skip), "labkit-collect")
     fd = os.environ.pop("LABKIT_OUTCOMES_FD", None)
     if os.environ.pop("LABKIT_WORKER", None) and fd is not None:
         impl.install_loader(worker.load)
