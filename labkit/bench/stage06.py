@@ -50,13 +50,19 @@ def hf_generate(hf_target, prompt: list[int], n: int, assistant=None, k: int = 0
     return out[0, len(prompt) :].tolist()
 
 
-@torch.inference_mode()
-def main(quick: bool = False) -> bench.Result:
+def refuse_real_without_draft() -> None:
+    """MODEL=real with the default (tiny) draft would pair two tokenizers; say what to run instead."""
     if os.environ.get("MODEL") == "real" and not os.environ.get("DRAFT"):
         raise SystemExit(
             "MODEL=real needs a draft with its tokenizer, and the tiny draft has another: run "
-            "`make bench STAGE=06_real` (SmolLM2 drafted by its own first layers), or pass DRAFT=<folder>."
+            "`make bench STAGE=06_real` (SmolLM2 drafted by its own first layers), or pass DRAFT=<folder> "
+            "(python -m labkit.early_exit writes one)."
         )
+
+
+@torch.inference_mode()
+def main(quick: bool = False) -> bench.Result:
+    refuse_real_without_draft()
     spec = load("stage06_speculative.speculative")
     speedup = load("stage06_speculative.speedup")
     # Batch-1 decoding of a 6.6M-parameter model gains nothing from intra-op threads; on a shared

@@ -29,6 +29,8 @@ from labkit.device import pin_threads
 from labkit.impl import current, load
 from labkit.quality import heldout
 
+from .stage06 import refuse_real_without_draft
+
 CONCURRENCY = [1, 2, 4, 8, 16, 32, 64, 128]  # the issue asks for 1..16; beyond it, looking for the crossover
 
 
@@ -109,6 +111,7 @@ def main(quick: bool = False) -> bench.Result:
     pin_threads(1)  # one thread, as every stage's benchmark: a shared 2-core machine
     new, k, repeats = (12, 4, 1) if quick else (24, 4, 3)
     concurrency = [1, 4, 16, 64] if quick else CONCURRENCY
+    refuse_real_without_draft()
     (target, which), (draft, which_draft) = bench.model(), bench.model("DRAFT")
     prompts = [w.tolist() for w in heldout(bench.tokenizer(), n_tokens=32 * max(concurrency), seq=32)]
     costs = eng.Costs.measure(target, draft, concurrency, k_max=8)

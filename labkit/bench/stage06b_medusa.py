@@ -22,6 +22,8 @@ from labkit.device import pin_threads
 from labkit.impl import current, load
 from labkit.quality import heldout
 
+from .stage06 import refuse_real_without_draft
+
 CHAIN = [(0,), (0, 0), (0, 0, 0), (0, 0, 0, 0)]
 
 
@@ -37,6 +39,7 @@ def main(quick: bool = False) -> bench.Result:
     med = load("stage06_speculative.medusa")
     pin_threads(1)  # batch-1 decoding of a 6.6M-parameter model: threads only add noise on a shared CPU
     n_prompts, new, repeats, k = (1, 48, 1, 4) if quick else (2, 96, 3, 4)
+    refuse_real_without_draft()
     (target, which), (draft, which_draft) = bench.model(), bench.model("DRAFT")
     heads = medusa.load(heads_folder(), target)
     prompts = [w[:64].tolist() for w in heldout(bench.tokenizer(), n_tokens=512 * n_prompts, seq=512)]
