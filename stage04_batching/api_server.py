@@ -13,8 +13,10 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import multiprocessing
+import os
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,6 +24,7 @@ from jinja2 import Template, TemplateError
 from pydantic import ValidationError
 
 from .async_engine import AsyncEngine, EngineError, QueueFull, stream_events
+from .byte_dfa import compile_regex
 from .engine import LLMEngine, RequestOutput, sibling_ids
 from .lora_engine import LoRAEngine
 from .metrics import CONTENT_TYPE
@@ -60,13 +63,22 @@ def create_app(
     max_body_bytes = 6 * longest_token * engine.max_model_len + 16_384
     # One tokenizing thread: large prompts queue for one core instead of taking every core from the engine.
     tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+    # Constraints compile in other processes, at low priority: a pattern's second of pure-Python CPU would
+    # hold the GIL that tokenization, the engine's steps and /health need (vLLM compiles grammars in a
+    # background pool too). spawn, not fork: this process runs threads.
+    compile_pool = ProcessPoolExecutor(
+        2, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice, initargs=(10,)
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         core.start()
+        # Start the compile workers now: spawning one costs a fraction of a second of CPU, not a client's.
+        await asyncio.gather(*(asyncio.wrap_future(compile_pool.submit(compile_regex, "warm")) for _ in range(1)))
         yield
         await core.stop()
         tokenize_pool.shutdown(wait=False)
+        compile_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="stage04 inference server", lifespan=lifespan)
     app.state.core = core
@@ -83,6 +95,18 @@ def create_app(
             served = ", ".join([model_name, *(f"{model_name}:{a}" for a in adapters)])
             raise LookupError(f"the model {model!r} does not exist; this server serves {served}")
         return None  # a server without adapters answers whatever model name a client sends
+
+    async def compile_constraint(pattern: str | bytes) -> None:
+        """Put a guided pattern's token index in the engine's cache (ValueError past a budget of
+        byte_dfa's) and compute its first row, so the engine's step does not pay for it."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(tokenize_pool, engine.vocab_trie)  # the engine can take constraints at all
+        if pattern not in engine.token_indexes:
+            dfa = await loop.run_in_executor(compile_pool, compile_regex, pattern)
+            index = engine.token_index(pattern, dfa)
+        else:
+            index = engine.token_index(pattern)
+        await loop.run_in_executor(tokenize_pool, index.row, index.initial)
 
     async def create_completion(request: Request, chat: bool) -> Response:
         req = await read_request(request, ChatCompletionRequest if chat else CompletionRequest, max_body_bytes)
@@ -119,7 +143,7 @@ def create_app(
         try:  # structured output: compile the constraint (once per pattern) off the event loop
             pattern = req.guided_pattern()
             if pattern is not None:
-                await asyncio.get_running_loop().run_in_executor(tokenize_pool, engine.token_index, pattern)
+                await compile_constraint(pattern)
         except ValueError as e:
             return error(400, str(e), "guided_regex" if req.guided_regex is not None else "response_format")
         if len(ids) + req.max_tokens > engine.max_model_len:

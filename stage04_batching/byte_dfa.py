@@ -16,6 +16,7 @@ a DFA, keeping only states from which the pattern can still be completed (so a l
 never a dead end). outlines-dev/outlines does the same with the `interegular` package.
 """
 
+import time
 from dataclasses import dataclass
 
 ANY = frozenset(range(256))
@@ -221,11 +222,25 @@ class _Parser:
 
 
 class _NFA:
-    def __init__(self):
+    def __init__(self, deadline: float = float("inf")):
         self.eps: list[list[int]] = []
         self.edges: list[list[tuple[frozenset, int]]] = []
+        self.deadline = deadline  # time.thread_time() past which compiling is refused
+
+    def check_budget(self, what: str) -> None:
+        if time.thread_time() > self.deadline:
+            raise ValueError(
+                f"regex: compiling the pattern passes its budget of {COMPILE_BUDGET_S} s of CPU ({what}); "
+                "simplify the pattern"
+            )
 
     def state(self) -> int:
+        if len(self.eps) >= MAX_NFA_STATES:
+            raise ValueError(
+                f"regex: the pattern unrolls past the limit of {MAX_NFA_STATES} NFA states; simplify its repeats"
+            )
+        if len(self.eps) % 1024 == 0:
+            self.check_budget(f"{len(self.eps)} NFA states so far")
         self.eps.append([])
         self.edges.append([])
         return len(self.eps) - 1
@@ -277,20 +292,27 @@ class _NFA:
         return frozenset(seen)
 
 
-MAX_STATES = 4096  # the token index holds num_states x vocab entries: refuse patterns that explode
+# Budgets that refuse a pattern within about a second of CPU, before it costs minutes or gigabytes. The
+# NFA bound catches nested repeats ((a{100}){100}) that Thompson's construction would unroll into millions
+# of states; the DFA bound, an automaton whose rows would be too many to ever reach; the CPU budget,
+# anything else slow to determinize (counted per thread, so other requests' work does not count).
+MAX_NFA_STATES = 200_000
+MAX_STATES = 4096
+COMPILE_BUDGET_S = 1.0
 
 
 def compile_regex(pattern: str | bytes) -> DFA:
     """The DFA of `pattern` over bytes (fullmatch semantics). Raises ValueError for what it does not support."""
     parser = _Parser(pattern)
     tree = parser.parse()
-    nfa = _NFA()
+    nfa = _NFA(deadline=time.thread_time() + COMPILE_BUDGET_S)
     start, end = nfa.build(tree)
     first = nfa.closure([start])
     ids = {first: 0}
     sets, transitions = [first], []
     while len(transitions) < len(sets):
         current = sets[len(transitions)]
+        nfa.check_budget(f"{len(sets)} DFA states so far")
         by_byte: dict[int, set[int]] = {}
         for s in current:
             for allowed, target in nfa.edges[s]:
@@ -305,7 +327,9 @@ def compile_regex(pattern: str | bytes) -> DFA:
                     ids[closed] = len(sets)
                     sets.append(closed)
                     if len(sets) > MAX_STATES:
-                        raise ValueError(f"regex: the automaton passes {MAX_STATES} states; simplify the pattern")
+                        raise ValueError(
+                            f"regex: the automaton passes the limit of {MAX_STATES} states; simplify the pattern"
+                        )
                 cache[key] = ids[closed]
             row[byte] = cache[key]
         transitions.append(row)

@@ -22,13 +22,13 @@ import torch
 from labkit.model import Llama, apply_rope, refuse_extras
 
 from .block_manager import BlockManager
-from .byte_dfa import compile_regex
+from .byte_dfa import DFA, compile_regex
 from .config import EngineConfig
 from .paged_attention import PagedKVCache, paged_attention, slot_mapping
 from .sampling import apply_penalties, find_stop, logprobs_of, safe_length, sample
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence, Status
-from .structured import Guide, TokenIndex, build_token_index, mask_logits, token_bytes
+from .structured import Guide, TokenIndex, mask_logits, token_bytes, token_trie
 
 
 @dataclass
@@ -60,7 +60,9 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # of each prompt token (None for the first)
 
 
-MAX_TOKEN_INDEXES = 32  # structured output: the token indexes kept (each is num_states x vocab)
+# Structured output: the token indexes kept, bounded by the bytes their memoized rows hold (clients send
+# arbitrary schemas; a row costs 3 bytes per token, 147 KB on a 49,152-token vocabulary).
+TOKEN_INDEX_BUDGET_BYTES = 256 * 2**20
 
 # What forward_paged implements of real checkpoints' extras (labkit.model.EXTRAS).
 SUPPORTED_EXTRAS = ("attention_bias", "o_proj_bias", "mlp_bias", "qk_norm", "rope_scaling")
@@ -164,10 +166,10 @@ class LLMEngine:
         # Called with each sequence of a batch just before the forward pass; tests and
         # `labkit.bench.loadtest --chaos` set it to make a chosen request fail inside step().
         self.fault_hook: Callable[[Sequence], None] | None = None
-        # Structured output (part 2): token indexes by pattern; building one walks the whole vocabulary.
+        # Structured output (part 2): token indexes by pattern, least recently used first; rows fill lazily.
         self.token_indexes: dict[str | bytes, TokenIndex] = {}
-        self._vocab_bytes: list[bytes | None] | None = None
-        self._index_lock = threading.Lock()  # the server builds indexes on its tokenizing thread
+        self._vocab_trie: dict | None = None
+        self._index_lock = threading.Lock()  # the server compiles on worker threads while the engine steps
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
@@ -202,20 +204,33 @@ class LLMEngine:
         self.scheduler.add(seqs[0])
         return request_id
 
-    def token_index(self, pattern: str | bytes) -> TokenIndex:
-        """The token index of a guided_regex (built once per pattern, then cached). Raises ValueError for a
-        pattern byte_dfa cannot compile; the server calls it off the event loop before submitting."""
+    def vocab_trie(self) -> dict:
+        """The trie of the vocabulary's bytes that every token index walks (built once, on first use)."""
         with self._index_lock:
-            if pattern not in self.token_indexes:
-                if len(self.token_indexes) >= MAX_TOKEN_INDEXES:  # clients send arbitrary schemas: bound the memory
-                    self.token_indexes.pop(next(iter(self.token_indexes)))
-                if self.tokenizer is None:
-                    raise ValueError("guided_regex needs an engine with a tokenizer (tokens are matched as bytes)")
-                if self._vocab_bytes is None:
-                    self._vocab_bytes = token_bytes(self.tokenizer, self.model.config.vocab_size)
-                dfa = compile_regex(pattern)
-                self.token_indexes[pattern] = build_token_index(dfa, self._vocab_bytes, self.model.config.eos_token_id)
-            return self.token_indexes[pattern]
+            if self.tokenizer is None:
+                raise ValueError("guided_regex needs an engine with a tokenizer (tokens are matched as bytes)")
+            if self._vocab_trie is None:
+                self._vocab_trie = token_trie(token_bytes(self.tokenizer, self.model.config.vocab_size))
+            return self._vocab_trie
+
+    def token_index(self, pattern: str | bytes, dfa: DFA | None = None) -> TokenIndex:
+        """The token index of a guided_regex (compiled once per pattern, then cached; its rows are computed
+        as sequences reach their states). Raises ValueError for a pattern byte_dfa cannot compile within
+        its budgets. The server compiles `dfa` in another process and hands it in before submitting."""
+        with self._index_lock:
+            index = self.token_indexes.pop(pattern, None)
+            if index is not None:
+                self.token_indexes[pattern] = index  # most recently used goes last
+                return index
+        trie = self.vocab_trie()
+        # Outside the lock: compiling takes up to a second, and other patterns' requests must not queue behind it.
+        dfa = dfa or compile_regex(pattern)
+        index = TokenIndex(dfa, trie, self.model.config.vocab_size, self.model.config.eos_token_id)
+        with self._index_lock:
+            index = self.token_indexes.setdefault(pattern, index)
+            while sum(i.nbytes for i in self.token_indexes.values()) > TOKEN_INDEX_BUDGET_BYTES:
+                self.token_indexes.pop(next(iter(self.token_indexes)))
+        return index
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is and free its blocks (unknown or finished ids are ignored).

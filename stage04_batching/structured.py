@@ -1,20 +1,22 @@
 """Structured output: decoding constrained to a regular expression, or to a JSON Schema compiled to one.
 
     dfa = compile_regex(schema_to_regex(schema))                  # byte_dfa.py (given)
-    index = build_token_index(dfa, token_bytes(tokenizer, V), eos)  # once per pattern: the expensive part
+    index = build_token_index(dfa, token_bytes(tokenizer, V), eos)  # once per pattern: cheap, nothing computed yet
     guide = Guide(index)                                            # one per request
     logits = mask_logits(logits, [guide, None, ...])                # every step, the whole batch at once
     guide.advance(token)                                            # after sampling
 
-The automaton reads bytes; the model emits tokens. The token index precomputes, for every automaton
-state, which tokens keep the match alive (walking all of a token's bytes) and where each one leads,
-so a decode step costs one row lookup per request (Willard & Louf 2023, "Efficient Guided Generation";
-outlines and vLLM's guided decoding work this way).
+The automaton reads bytes; the model emits tokens. The token index holds, for each automaton state,
+which tokens keep the match alive (walking all of a token's bytes) and where each one leads
+(Willard & Louf 2023, "Efficient Guided Generation"). Outlines precomputes it for every state, which
+costs states x vocabulary before the first token; here a state's row is computed when a sequence first
+reaches it and memoized (llguidance's on-demand masks), so a pattern of thousands of states costs only
+the rows its outputs visit.
 """
 
 import json
 import re
-from dataclasses import dataclass
+import threading
 
 import torch
 
@@ -50,25 +52,92 @@ def token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
     raise NotImplementedError("stage04: token_bytes — see lab2.ipynb §1")
 
 
-@dataclass
-class TokenIndex:
-    """For every state s of a DFA: which tokens may come next, and the state each one leads to."""
+def token_trie(vocab: list[bytes | None]) -> dict:
+    """The vocabulary as a trie over bytes: node[byte] is a child node, node[-1] the ids of the tokens
+    that end at that node. Built once per vocabulary; tokens with no bytes (None, b"") are left out."""
+    root: dict = {}
+    for t, data in enumerate(vocab):
+        node = root
+        for byte in data or b"":
+            node = node.setdefault(byte, {})
+        if data:
+            node.setdefault(-1, []).append(t)
+    return root
 
-    allowed: torch.Tensor  # (num_states, vocab) bool
-    next_state: torch.Tensor  # (num_states, vocab) int64; -1 where not allowed
-    initial: int  # the DFA's initial state
-    eos_token_id: int
 
+def state_mask(
+    dfa: DFA, trie: dict, state: int, vocab_size: int, eos_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row of the token index: which tokens may follow DFA state `state`, and where each leads.
 
-def build_token_index(dfa: DFA, vocab: list[bytes | None], eos_token_id: int) -> TokenIndex:
-    """The token index of `dfa` over `vocab` (from token_bytes).
-
-    allowed[s, t] is True iff reading ALL of token t's bytes from state s keeps the DFA alive (a token
-    may span several literals of the pattern, e.g. `",` ends a string and starts the separator), and
-    next_state[s, t] is the state it ends in. A token with no bytes (None, or b"") is never allowed,
-    except EOS: allowed exactly in accepting states, where it leaves the state unchanged.
+    Returns allowed (vocab_size,) bool and next_state (vocab_size,) int64. allowed[t] is True iff reading
+    ALL of token t's bytes from `state` keeps the DFA alive (a token may span several literals of the
+    pattern, e.g. `",` ends a string and starts the separator), and next_state[t] is the state it ends in,
+    -1 where not allowed. Walk `trie` (token_trie) from `state`: a dead byte prunes every token below it.
+    A token with no bytes is never allowed, except EOS: allowed exactly in accepting states, where it
+    leaves the state unchanged.
     """
-    raise NotImplementedError("stage04: build_token_index — see lab2.ipynb §2")
+    raise NotImplementedError("stage04: state_mask — see lab2.ipynb §2")
+
+
+ROW_BUDGET_BYTES = 64 * 2**20  # one pattern's memoized rows; past it the oldest are dropped and recomputed
+
+
+class TokenIndex:
+    """A DFA's token index, computed lazily: a state's row (state_mask) is computed the first time a
+    sequence reaches it and memoized, so the work grows with the tokens generated, not with the size of
+    the automaton (llguidance computes every mask on demand the same way). Thread-safe: the server
+    compiles on a worker thread while the engine steps on another."""
+
+    def __init__(self, dfa: DFA, trie: dict, vocab_size: int, eos_token_id: int, max_bytes: int = ROW_BUDGET_BYTES):
+        self.dfa, self.trie, self.vocab_size, self.eos_token_id = dfa, trie, vocab_size, eos_token_id
+        self.initial = dfa.initial
+        self.max_bytes = max_bytes
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.lock = threading.Lock()
+
+    @classmethod
+    def from_table(
+        cls, allowed: torch.Tensor, next_state: torch.Tensor, initial: int, eos_token_id: int
+    ) -> "TokenIndex":
+        """An index whose every row is given ((S, V) tensors), e.g. one built by brute force in a test."""
+        index = cls(DFA([{} for _ in range(allowed.shape[0])], set(), initial), {}, allowed.shape[1], eos_token_id)
+        index.rows = {s: (allowed[s], next_state[s].to(torch.int16)) for s in range(allowed.shape[0])}
+        index.max_bytes = index.nbytes
+        return index
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes its memoized rows hold (the DFA and the shared trie not counted)."""
+        return len(self.rows) * self.vocab_size * 3  # bool + int16 per token
+
+    def row(self, state: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(allowed (V,) bool, next_state (V,) int16) of `state`, computed on first use."""
+        row = self.rows.get(state)
+        if row is None:
+            allowed, nxt = state_mask(self.dfa, self.trie, state, self.vocab_size, self.eos_token_id)
+            row = (allowed, nxt.to(torch.int16))  # MAX_STATES < 2**15: int16 holds every state and -1
+            with self.lock:
+                while self.rows and self.nbytes + 3 * self.vocab_size > self.max_bytes:
+                    self.rows.pop(next(iter(self.rows)))
+                self.rows[state] = row
+        return row
+
+    @property
+    def allowed(self) -> torch.Tensor:
+        """(num_states, V) bool, every row computed: for inspection and tests, never in the engine."""
+        return torch.stack([self.row(s)[0] for s in range(self.dfa.num_states)])
+
+    @property
+    def next_state(self) -> torch.Tensor:
+        """(num_states, V) int64, -1 where not allowed: every row computed, like `allowed`."""
+        return torch.stack([self.row(s)[1] for s in range(self.dfa.num_states)]).to(torch.int64)
+
+
+def build_token_index(dfa: DFA, vocab: list[bytes | None], eos_token_id: int, trie: dict | None = None) -> TokenIndex:
+    """The (lazy) token index of `dfa` over `vocab` (from token_bytes); pass the vocabulary's `trie`
+    (token_trie) when you have it, since building it walks every token."""
+    return TokenIndex(dfa, token_trie(vocab) if trie is None else trie, len(vocab), eos_token_id)
 
 
 class Guide:
@@ -80,10 +149,10 @@ class Guide:
 
     def allowed(self) -> torch.Tensor:
         """(vocab,) bool: the tokens this request may sample next."""
-        return self.index.allowed[self.state]
+        return self.index.row(self.state)[0]
 
     def advance(self, token_id: int) -> None:
-        nxt = int(self.index.next_state[self.state, token_id])
+        nxt = int(self.index.row(self.state)[1][token_id])
         if nxt < 0:
             raise ValueError(f"token {token_id} is not allowed in state {self.state} of the constraint")
         self.state = nxt

@@ -171,7 +171,7 @@ def random_index(structured, rng: random.Random, V: int):
     vocab, eos = random_vocab(rng, V)
     dfa = compile_regex(random_pattern(rng))
     allowed, nxt = brute_force(dfa, vocab, eos)
-    return structured.TokenIndex(allowed, nxt, dfa.initial, eos)
+    return structured.TokenIndex.from_table(allowed, nxt, dfa.initial, eos)
 
 
 @pytest.mark.parametrize("seed", range(3))
