@@ -89,7 +89,7 @@ def state_mask(
     A token with no bytes is never allowed, except EOS: allowed exactly in accepting states, where it
     leaves the state unchanged.
     """
-    # A trie of the tokens' bytes: tokens sharing a prefix share its walk, and a dead prefix prunes them all.
+    # Depth-first through the trie: tokens sharing a prefix share its walk, and a dead byte prunes them all.
     allowed = torch.zeros(vocab_size, dtype=torch.bool)
     next_state = torch.full((vocab_size,), -1, dtype=torch.int64)
     todo = [(trie, state)]

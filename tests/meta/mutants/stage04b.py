@@ -139,48 +139,54 @@ MUTANTS = [
         replace="        if False:",
         bug="token_bytes skips the alphabet check (a non-byte-level tokenizer fails with a KeyError, not a ValueError naming the token)",
     ),
-    # structured.py: build_token_index
+    # structured.py: state_mask
     dict(
         file="structured.py",
-        find="        if s in dfa.accepting:\n            rows.append(s), cols.append(eos_token_id), ends.append(s)\n",
+        find="    if state in dfa.accepting:\n        allowed[eos_token_id], next_state[eos_token_id] = True, state\n",
         replace="",
-        bug="build_token_index never allows EOS (forgets the accepting states)",
+        bug="state_mask never allows EOS (forgets the accepting states)",
     ),
     dict(
         file="structured.py",
-        find="        if s in dfa.accepting:\n            rows.append(s), cols.append(eos_token_id), ends.append(s)\n",
-        replace="        rows.append(s), cols.append(eos_token_id), ends.append(s)\n",
-        bug="build_token_index allows EOS in every state, accepting or not",
+        find="    if state in dfa.accepting:\n        allowed[eos_token_id], next_state[eos_token_id] = True, state\n",
+        replace="    allowed[eos_token_id], next_state[eos_token_id] = True, state\n",
+        bug="state_mask allows EOS in every state, accepting or not",
     ),
     dict(
         file="structured.py",
-        find="rows.append(s), cols.append(eos_token_id), ends.append(s)",
-        replace="rows.append(s), cols.append(eos_token_id), ends.append(dfa.initial)",
-        bug="build_token_index sends EOS back to the initial state",
+        find="allowed[eos_token_id], next_state[eos_token_id] = True, state",
+        replace="allowed[eos_token_id], next_state[eos_token_id] = True, dfa.initial",
+        bug="state_mask sends EOS back to the initial state",
     ),
     dict(
         file="structured.py",
-        find="            step = dfa.transitions[state]",
-        replace="            step = dfa.transitions[s]",
-        bug="build_token_index reads every byte of a token from the start state (checks bytes one by one, not as a walk)",
+        find="        step = dfa.transitions[at]",
+        replace="        step = dfa.transitions[state]",
+        bug="state_mask reads every byte of a token from the row's state (checks bytes one by one, not as a walk)",
     ),
     dict(
         file="structured.py",
-        find="                    rows.append(s), cols.append(t), ends.append(nxt)",
-        replace="                    rows.append(s), cols.append(t), ends.append(state)",
-        bug="build_token_index records the state before the token's last byte as its next state",
+        find="                allowed[t], next_state[t] = True, nxt",
+        replace="                allowed[t], next_state[t] = True, at",
+        bug="state_mask records the state before the token's last byte as its next state",
     ),
     dict(
         file="structured.py",
-        find="            node = node.setdefault(byte, {})\n        if data:\n            node.setdefault(-1, []).append(t)",
-        replace="            node = node.setdefault(byte, {})\n            node.setdefault(-1, []).append(t)",
-        bug="build_token_index allows a token as soon as any prefix of its bytes is alive",
+        find="            todo.append((child, nxt))",
+        replace="            todo.append((child, at))",
+        bug="state_mask walks a node's children from its parent's state",
     ),
     dict(
         file="structured.py",
-        find="    next_state = torch.full((dfa.num_states, len(vocab)), -1, dtype=torch.int64)",
-        replace="    next_state = torch.zeros((dfa.num_states, len(vocab)), dtype=torch.int64)",
-        bug="build_token_index leaves next_state 0 (a real state) for disallowed tokens instead of -1",
+        find="            todo.append((child, nxt))\n",
+        replace="",
+        bug="state_mask stops at the trie's first level: no token of two or more bytes is ever allowed",
+    ),
+    dict(
+        file="structured.py",
+        find="    next_state = torch.full((vocab_size,), -1, dtype=torch.int64)",
+        replace="    next_state = torch.zeros((vocab_size,), dtype=torch.int64)",
+        bug="state_mask leaves next_state 0 (a real state) for disallowed tokens instead of -1",
     ),
     # structured.py: mask_logits
     dict(
@@ -310,9 +316,9 @@ MUTANTS = [
     # issue #37: edges (test_04b_edges.py)
     dict(
         file="structured.py",
-        find="        todo = [(root, s)]\n",
-        replace="        todo = [] if s in dfa.accepting else [(root, s)]\n",
-        bug="build_token_index allows only EOS in an accepting state, even one the match can continue from",
+        find="    todo = [(trie, state)]\n",
+        replace="    todo = [] if state in dfa.accepting else [(trie, state)]\n",
+        bug="state_mask allows only EOS in an accepting state, even one the match can continue from",
     ),
     dict(
         file="structured.py",
