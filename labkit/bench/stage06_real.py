@@ -2,7 +2,7 @@
 
     make bench STAGE=06_real          (needs make setup; LABS_IMPL=solution, IMPL=student times your code)
 
-Batch 1, greedy, two chat prompts (a question, and a code edit whose answer copies its prompt),
+Batch 1, greedy, two chat prompts (a question, and a spelling fix whose answer copies its prompt),
 a fixed number of new tokens. Every variant below must return the target's own greedy tokens, and
 all are timed interleaved in one run as medians of repeats, against plain greedy decoding on the
 same stack (labkit.model.Llama.generate for the course's rows, HF's generate for HF's):
@@ -29,8 +29,8 @@ from .stage06 import hf_generate
 
 PROMPTS = [
     "<|im_start|>user\nWhat is the capital of France, and what is it famous for?<|im_end|>\n<|im_start|>assistant\n",
-    "<|im_start|>user\nAdd a docstring and type hints to this function:\n\ndef softmax(x):\n    m = max(x)\n"
-    "    e = [math.exp(v - m) for v in x]\n    return [v / sum(e) for v in e]<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nFix the spelling in this sentence: The key-value cache keeps the keys and valeus of every "
+    "past tokne, so that each new tokne costs one matrix-vector product per weight.<|im_end|>\n<|im_start|>assistant\n",
 ]
 
 
