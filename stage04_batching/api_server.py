@@ -63,22 +63,25 @@ def create_app(
     max_body_bytes = 6 * longest_token * engine.max_model_len + 16_384
     # One tokenizing thread: large prompts queue for one core instead of taking every core from the engine.
     tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-    # Constraints compile in other processes, at low priority: a pattern's second of pure-Python CPU would
+    # The vocabulary's trie and each pattern's first row: never on the tokenizing thread.
+    mask_pool = ThreadPoolExecutor(1, thread_name_prefix="mask")
+    # Constraints compile in another process, at low priority: a pattern's second of pure-Python CPU would
     # hold the GIL that tokenization, the engine's steps and /health need (vLLM compiles grammars in a
-    # background pool too). spawn, not fork: this process runs threads.
+    # background pool too). One worker leaves a core to serving; spawn, not fork: this process runs threads.
     compile_pool = ProcessPoolExecutor(
-        2, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice, initargs=(10,)
+        1, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice, initargs=(10,)
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         core.start()
-        # Start the compile workers now: spawning one costs a fraction of a second of CPU, not a client's.
-        await asyncio.gather(*(asyncio.wrap_future(compile_pool.submit(compile_regex, "warm")) for _ in range(1)))
+        # Start the compile worker now: spawning it costs a fraction of a second of CPU, not a client's.
+        await asyncio.wrap_future(compile_pool.submit(compile_regex, "warm"))
         yield
         await core.stop()
         tokenize_pool.shutdown(wait=False)
         compile_pool.shutdown(wait=False, cancel_futures=True)
+        mask_pool.shutdown(wait=False)
 
     app = FastAPI(title="stage04 inference server", lifespan=lifespan)
     app.state.core = core
@@ -100,13 +103,13 @@ def create_app(
         """Put a guided pattern's token index in the engine's cache (ValueError past a budget of
         byte_dfa's) and compute its first row, so the engine's step does not pay for it."""
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(tokenize_pool, engine.vocab_trie)  # the engine can take constraints at all
+        await loop.run_in_executor(mask_pool, engine.vocab_trie)  # the engine can take constraints at all
         if pattern not in engine.token_indexes:
             dfa = await loop.run_in_executor(compile_pool, compile_regex, pattern)
             index = engine.token_index(pattern, dfa)
         else:
             index = engine.token_index(pattern)
-        await loop.run_in_executor(tokenize_pool, index.row, index.initial)
+        await loop.run_in_executor(mask_pool, index.row, index.initial)
 
     async def create_completion(request: Request, chat: bool) -> Response:
         req = await read_request(request, ChatCompletionRequest if chat else CompletionRequest, max_body_bytes)
