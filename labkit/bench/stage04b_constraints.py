@@ -165,7 +165,12 @@ def main(quick: bool = False) -> bench.Result:
 
         config = json.loads((real / "config.json").read_text())
         rows += vocab_rows(
-            "SmolLM2", load_tokenizer(real), config["vocab_size"], config["eos_token_id"], tokens, 8 if quick else 32
+            "SmolLM2",
+            load_tokenizer(real),
+            config["vocab_size"],
+            config["eos_token_id"],
+            tokens // 2,
+            8 if quick else 16,
         )
     print(bench.table(rows, title="stage 04b: lazy token-index rows, per generated token"))
     server = server_figures(model, tok, 1 if quick else 3)

@@ -142,20 +142,20 @@ MUTANTS = [
     # structured.py: state_mask
     dict(
         file="structured.py",
-        find="    if state in dfa.accepting:\n        allowed[eos_token_id], next_state[eos_token_id] = True, state\n",
+        find="    if state in dfa.accepting:\n        ids.append(eos_token_id), ends.append(state)\n",
         replace="",
         bug="state_mask never allows EOS (forgets the accepting states)",
     ),
     dict(
         file="structured.py",
-        find="    if state in dfa.accepting:\n        allowed[eos_token_id], next_state[eos_token_id] = True, state\n",
-        replace="    allowed[eos_token_id], next_state[eos_token_id] = True, state\n",
+        find="    if state in dfa.accepting:\n        ids.append(eos_token_id), ends.append(state)\n",
+        replace="    ids.append(eos_token_id), ends.append(state)\n",
         bug="state_mask allows EOS in every state, accepting or not",
     ),
     dict(
         file="structured.py",
-        find="allowed[eos_token_id], next_state[eos_token_id] = True, state",
-        replace="allowed[eos_token_id], next_state[eos_token_id] = True, dfa.initial",
+        find="ids.append(eos_token_id), ends.append(state)",
+        replace="ids.append(eos_token_id), ends.append(dfa.initial)",
         bug="state_mask sends EOS back to the initial state",
     ),
     dict(
@@ -166,8 +166,8 @@ MUTANTS = [
     ),
     dict(
         file="structured.py",
-        find="                allowed[t], next_state[t] = True, nxt",
-        replace="                allowed[t], next_state[t] = True, at",
+        find="                ids.append(t), ends.append(nxt)",
+        replace="                ids.append(t), ends.append(at)",
         bug="state_mask records the state before the token's last byte as its next state",
     ),
     dict(
