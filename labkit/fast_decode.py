@@ -22,6 +22,12 @@ from token to token, so this step:
     step = StaticDecoder(model, cache, "compile") # "eager", "compile" (CPU) or "cudagraph" (GPU)
     logits = step(next_ids)                       # (B, 1) -> (B, 1, vocab); writes and advances cache
 
+Decode reads every weight once per token, so at batch 1 fewer bytes per weight is a faster step:
+`weights="int8"` (one scale per output row) and `weights="int4"` (a scale and a zero per group of
+`group_size` inputs, as llama.cpp's Q4_1 blocks of 32) quantize the snapshot, LM head included,
+round to nearest, and run PyTorch's packed CPU kernels (aten._weight_int8pack_mm and
+_weight_int4pack_mm_for_cpu), which dequantize inside the matmul: the activations stay float32.
+
 make bench STAGE=decode compares it with the eager model, Hugging Face and llama.cpp.
 """
 
@@ -31,6 +37,25 @@ import torch.nn.functional as F
 from .model import KVCache, Llama, apply_rope, grouped_attention, refuse_extras
 
 BACKENDS = ("eager", "compile", "cudagraph")
+WEIGHTS = ("fp32", "int8", "int4")
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float -> (int8 codes (out, in), scales (out,)): w ~ codes * scales[:, None]."""
+    scales = w.abs().amax(1).clamp(min=1e-12) / 127
+    return torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float -> (packed codes, scales and zeros (in / group_size, out, 2)), the layout of
+    aten._weight_int4pack_mm_for_cpu, which computes w ~ (code - 8) * scale + zero per group."""
+    out, inp = w.shape
+    groups = w.reshape(out, inp // group_size, group_size)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scales = (hi - lo).clamp(min=1e-12) / 15  # codes 0..15 span [lo, hi], as Q4_1's d * q + m
+    codes = torch.round((groups - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(out, inp), 1)
+    return packed, torch.stack([scales, lo + 8 * scales], -1).transpose(0, 1).contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,9 +71,11 @@ class StaticDecoder:
     once per window size, a few seconds each on CPU) or "cudagraph" (the step captured as one
     torch.cuda.CUDAGraph per window size; model and cache on a CUDA device).
     window: the smallest number of cache positions a step attends over (the mask hides the unwritten).
+    weights: "fp32" (the model's), "int8" or "int4" (weight-only, CPU; int4 in groups of group_size).
     """
 
-    def __init__(self, model: Llama, cache: KVCache, backend: str = "compile", window: int = 256):
+    def __init__(self, model: Llama, cache: KVCache, backend: str = "compile", window: int = 256,
+                 weights: str = "fp32", group_size: int = 32):  # fmt: skip
         c = model.config
         refuse_extras(c, "labkit.fast_decode.StaticDecoder", max_len=cache.max_seq_len)
         if backend not in BACKENDS:
@@ -58,13 +85,19 @@ class StaticDecoder:
         if cache.max_seq_len > model.rope_cos.shape[0]:
             raise ValueError(f"a {cache.max_seq_len}-position cache is longer than the model's RoPE table "
                              f"({model.rope_cos.shape[0]} positions); create a shorter cache")  # fmt: skip
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights={weights!r}; choose one of {WEIGHTS}")
+        if weights != "fp32" and cache.k[0].device.type != "cpu":
+            raise ValueError(f"weights={weights!r} runs PyTorch's CPU kernels: keep the model and its cache on the CPU")
         self.model, self.cache, self.backend, self.c, self.window = model, cache, backend, c, window
+        self.weights, self.group_size = weights, group_size
         layers = model.model.layers
 
-        def stacked(*names: str) -> torch.Tensor:  # per layer: the named Linears' weights side by side, (in, out)
-            return torch.stack(
-                [torch.cat([lay.get_submodule(n).weight for n in names]).T.contiguous() for lay in layers]
-            )
+        def stacked(*names: str):  # per layer: the named Linears' weights side by side
+            ws = [torch.cat([lay.get_submodule(n).weight for n in names]) for lay in layers]
+            if weights == "fp32":
+                return torch.stack([w.T.contiguous() for w in ws])  # (L, in, out)
+            return [self.quantize(w, "+".join(names)) for w in ws]
 
         with torch.no_grad():
             self.norms = torch.stack([torch.stack([lay.input_layernorm.weight, lay.post_attention_layernorm.weight])
@@ -74,6 +107,8 @@ class StaticDecoder:
             self.w_gate_up = stacked("mlp.gate_proj", "mlp.up_proj")  # (L, hidden, 2 * intermediate)
             self.w_down = stacked("mlp.down_proj")  # (L, intermediate, hidden)
             self.embed, self.lm_head = model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach()
+            if weights != "fp32":
+                self.lm_head = self.quantize(self.lm_head, "lm_head")
             self.final_norm = model.model.norm.weight.detach()
         self.key_positions = torch.arange(cache.max_seq_len, device=cache.k[0].device)
         compile_options = {"cpp_wrapper": True} if cache.k[0].device.type == "cpu" else {}
@@ -81,6 +116,35 @@ class StaticDecoder:
         if backend == "compile":
             self.fn = torch.compile(self.step, fullgraph=True, dynamic=False, options=compile_options)
         self.graphs = {}  # window size -> (graph, static ids, static pos, output)
+
+    def quantize(self, w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.weights == "int8":
+            return quantize_int8(w)
+        out, inp = w.shape
+        if inp % self.group_size or self.group_size not in (32, 64, 128, 256) or out % 16:
+            raise ValueError(f"weights='int4': {name} is ({out}, {inp}) (out, in); PyTorch's int4 kernel needs "
+                             f"group_size 32, 64, 128 or 256 dividing in, and out a multiple of 16 "
+                             f"(group_size={self.group_size}); pick another group_size or use weights='int8'")  # fmt: skip
+        return quantize_int4(w, self.group_size)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one step reads: every matrix (codes and scales) and norm once, one embedding row."""
+        tensors = [self.norms, self.final_norm, self.embed[0], self.w_qkv, self.w_o, self.w_gate_up, self.w_down,
+                   self.lm_head]  # fmt: skip
+        flat = [t for x in tensors for t in (x if isinstance(x, (list, tuple)) else [x])]
+        flat = [t for x in flat for t in (x if isinstance(x, tuple) else [x])]
+        return sum(t.numel() * t.element_size() for t in flat)
+
+    def matmul(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x (B, 1, in) times one stored weight: (in, out) float, or the packed codes and scales."""
+        if self.weights == "fp32":
+            return x @ w
+        flat = x.reshape(-1, x.shape[-1])  # the packed kernels take 2-D activations
+        if self.weights == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(flat, *w)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, w[0], self.group_size, w[1])
+        return y.view(*x.shape[:-1], -1)
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, window: int) -> torch.Tensor:
         """ids: (B, 1) int64 at position pos ((1,) int64 tensor) -> logits (B, 1, vocab).
@@ -94,16 +158,18 @@ class StaticDecoder:
         cos, sin = self.model.rope_cos[pos], self.model.rope_sin[pos]  # (1, D)
         mask = (self.key_positions[:window] <= pos)[None]  # (1, window): the keys written so far
         for i in range(c.num_hidden_layers):
-            q, k, v = (rms_norm(x, self.norms[i, 0], eps) @ self.w_qkv[i]).split([H * D, KV * D, KV * D], dim=-1)
+            qkv = self.matmul(rms_norm(x, self.norms[i, 0], eps), self.w_qkv[i])
+            q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
             q = apply_rope(q.view(B, H, 1, D), cos, sin)  # T = 1: (B, 1, H*D) views as (B, H, 1, D)
             k = apply_rope(k.view(B, KV, 1, D), cos, sin)
             self.cache.k[i].index_copy_(2, pos, k)  # write in place at slot pos
             self.cache.v[i].index_copy_(2, pos, v.view(B, KV, 1, D))
             y = grouped_attention(q, self.cache.k[i][:, :, :window], self.cache.v[i][:, :, :window], mask)
-            x = x + y.view(B, 1, H * D) @ self.w_o[i]
-            gate, up = (rms_norm(x, self.norms[i, 1], eps) @ self.w_gate_up[i]).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ self.w_down[i]
-        return F.linear(rms_norm(x, self.final_norm, eps), self.lm_head)
+            x = x + self.matmul(y.view(B, 1, H * D), self.w_o[i])
+            gate, up = self.matmul(rms_norm(x, self.norms[i, 1], eps), self.w_gate_up[i]).chunk(2, dim=-1)
+            x = x + self.matmul(F.silu(gate) * up, self.w_down[i])
+        x = rms_norm(x, self.final_norm, eps)
+        return F.linear(x, self.lm_head) if self.weights == "fp32" else self.matmul(x, self.lm_head)
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:

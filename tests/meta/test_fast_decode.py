@@ -1,13 +1,15 @@
 """labkit.fast_decode.StaticDecoder: the fused, static-shape decode step must give the model's logits."""
 
+import copy
+
 import pytest
 import torch
 
-from labkit import checkpoint
+from labkit import TARGET, checkpoint
 from labkit.device import has_gpu
 from labkit.fast_decode import StaticDecoder
-from labkit.model import Config, Llama, init_weights
-from labkit.testing import LLAMA_CONFIGS, labkit_from_hf, random_llama, random_tokens
+from labkit.model import Config, Llama, from_pretrained, init_weights
+from labkit.testing import LLAMA_CONFIGS, labkit_from_hf, random_llama, random_tokens, real_ids, real_labkit
 
 
 def decode_both(model: Llama, backend: str, seed: int, batch: int = 2, prompt: int = 6, steps: int = 8, device="cpu"):
@@ -54,6 +56,63 @@ def test_cuda_graph_step_equals_the_model():
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg="seed=6: replayed CUDA graph")
 
 
+def rtn(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """w rounded to nearest and dequantized with plain torch ops: int8 symmetric per output row,
+    int4 from each group's min to its max in 15 steps."""
+    if bits == 8:
+        scale = w.abs().max(dim=1, keepdim=True).values / 127
+        return (w / scale).round().clamp(-127, 127) * scale
+    g = w.reshape(w.shape[0], -1, group_size)
+    lo, hi = g.min(-1, keepdim=True).values, g.max(-1, keepdim=True).values
+    scale = (hi - lo) / 15
+    return (((g - lo) / scale).round().clamp(0, 15) * scale + lo).reshape(w.shape)
+
+
+def rtn_model(model: Llama, bits: int, group_size: int = 32) -> Llama:
+    """A copy of model with every matrix and the LM head through rtn(); the embedding stays float."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for linear in [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]:
+            linear.weight.copy_(rtn(linear.weight, bits, group_size))
+        model.lm_head.weight = torch.nn.Parameter(rtn(model.lm_head.weight, bits, group_size))  # unties
+    return model
+
+
+def quantized_logits(model: Llama, weights: str, ids: torch.Tensor, prompt: int) -> tuple[torch.Tensor, ...]:
+    """Steps after a float prefill: (StaticDecoder's logits, the dequantized model's, the float model's)."""
+    logits = []
+    for run, w in ((model, weights), (rtn_model(model, int(weights[3:])), "fp32"), (model, "fp32")):
+        cache = run.new_cache(ids.shape[0], 64)
+        with torch.no_grad():
+            model(ids[:, :prompt], cache)  # the float prefill, as in use
+            decoder = StaticDecoder(run, cache, "eager", window=16, weights=w)
+            logits.append(torch.cat([decoder(ids[:, t : t + 1]) for t in range(prompt, ids.shape[1])], 1))
+    return tuple(logits)
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_step_equals_dequantized_weights_on_the_target(weights):
+    """The packed kernels compute what the dequantized weights compute, and that is not the float model."""
+    seed = 11
+    model = from_pretrained(TARGET).eval()
+    got, want, fp32 = quantized_logits(model, weights, random_tokens(seed, 14, model.config.vocab_size, 2), 6)
+    err, quant_err = (got - want).abs().max().item(), (fp32 - want).abs().max().item()
+    assert err < 2e-3 * want.abs().max().item(), f"seed={seed} {weights}: max |packed - dequantized| {err:.2e}"
+    assert quant_err > 20 * err, f"seed={seed} {weights}: the step barely differs from fp32 ({quant_err:.2e})"
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_step_on_the_real_model(weights):
+    model = real_labkit()
+    got, want, fp32 = quantized_logits(model, weights, real_ids(12)[None], 8)
+    err, quant_err = (got - want).abs().max().item(), (fp32 - want).abs().max().item()
+    assert err < 2e-3 * want.abs().max().item(), f"REAL_TEXT {weights}: max |packed - dequantized| {err:.2e}"
+    assert quant_err > 20 * err, f"REAL_TEXT {weights}: the step barely differs from fp32 ({quant_err:.2e})"
+    assert (got.argmax(-1) == want.argmax(-1)).all(), f"REAL_TEXT {weights}: greedy tokens differ from dequantized"
+
+
 def test_clear_errors():
     model = init_weights(Llama(Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)))  # fmt: skip
@@ -63,6 +122,12 @@ def test_clear_errors():
     if not has_gpu():
         with pytest.raises(ValueError, match="GPU"):
             StaticDecoder(model, cache, "cudagraph")
+    with pytest.raises(ValueError, match="choose one of"):
+        StaticDecoder(model, cache, "eager", weights="int3")
+    with pytest.raises(ValueError, match="group_size"):  # 32 inputs, groups of 64
+        StaticDecoder(model, cache, "eager", weights="int4", group_size=64)
+    with pytest.raises(ValueError, match="multiple of 16"):  # a 50-token vocabulary
+        StaticDecoder(model, cache, "eager", weights="int4")
     decoder = StaticDecoder(model, cache, "eager")
     for _ in range(4):
         decoder(torch.ones(1, 1, dtype=torch.long))
