@@ -53,8 +53,9 @@ def section(text: str) -> tuple[int, int] | None:
     return (int(m.group(2)[3:] or 1), int(m.group(3))) if m else None
 
 
-# The learner edition carries the skeleton's TODO list as it shipped: once a learner writes a body, its TODO
-# message is gone from the file, but the grader and the tests' section marks still need its name and §.
+# The course carries the skeleton's TODO list as it shipped (tests/meta checks it against the skeleton): once a
+# learner writes a body, its TODO message is gone from the file, but the grader and the tests' section marks
+# still need its name and §.
 MANIFEST = Path("tests") / "todos.json"
 NAME = re.compile(r"stage\d\d: (\S+) — see (lab\d?)\.ipynb §(\d+)")
 
@@ -72,7 +73,7 @@ def scan(root: Path, folder: str) -> dict[str, list[tuple[str, tuple[int, int]]]
 
 
 def stage_todos(root: Path, folder: str) -> dict[str, list[tuple[str, tuple[int, int]]]]:
-    """The skeleton's TODOs of a stage folder: from the edition's manifest if it has one, else the files."""
+    """The skeleton's TODOs of a stage folder: from the shipped manifest if there is one, else the files."""
     path = root / MANIFEST
     if path.is_file():
         shipped = json.loads(path.read_text()).get(folder, {})
@@ -83,7 +84,11 @@ def stage_todos(root: Path, folder: str) -> dict[str, list[tuple[str, tuple[int,
 def write_manifest(root: Path, folders) -> None:
     """Record the TODOs of the untouched skeleton (make student-edition, a graded copy)."""
     shipped = {f: {m: [[n, *s] for n, s in found] for m, found in scan(root, f).items()} for f in folders}
-    (root / MANIFEST).write_text(json.dumps(shipped, indent=1) + "\n")
+    stages = [
+        f"  {json.dumps(f)}: {{\n" + ",\n".join(f"    {json.dumps(m)}: {json.dumps(t)}" for m, t in mods.items()) + "\n  }"
+        for f, mods in shipped.items()
+    ]  # one line a module, so a diff shows which TODOs changed
+    (root / MANIFEST).write_text("{\n" + ",\n".join(stages) + "\n}\n")
 
 
 def untouched(root: Path, folder: str, module: str, name: str) -> bool:
@@ -93,3 +98,10 @@ def untouched(root: Path, folder: str, module: str, name: str) -> bool:
         return any((m := NAME.search(msg)) and m.group(1) == name for _, msg in todos(path.read_text()))
     except (OSError, SyntaxError):
         return False  # a file that does not parse is started, and fails its tests
+
+
+if __name__ == "__main__":  # python -m labkit.grading.todo: rewrite tests/todos.json after changing a skeleton's TODOs
+    from .. import ROOT, STAGES
+
+    write_manifest(ROOT, dict.fromkeys(folder for folder, _ in STAGES.values()))
+    print(f"wrote {MANIFEST}")

@@ -1,4 +1,4 @@
-"""The course's own guarantees, per stage (DESIGN.md "Guarantees"). Not graded; CI runs them.
+"""The course's own guarantees, per stage (CONTRIBUTING.md). Not graded; CI runs them.
 
 Selected per stage with `-k stage02_kv_cache`, which is how `make test` (labkit.grading.suite) runs them.
 In the learner edition (no solutions/) the checks that need a solution skip, and say so.
@@ -152,6 +152,16 @@ def test_todo_messages_name_the_stage_and_the_handout_section(folder):
             assert f"{m.group(2)}.ipynb" in notebooks, (
                 f"{path.name}:{line}: {msg!r} points to a notebook not in {folder}"
             )
+
+
+@needs_solutions
+@pytest.mark.parametrize("folder", BUILT)
+def test_the_shipped_todo_list_matches_the_skeleton(folder):
+    """tests/todos.json keeps each TODO's name and section once the learner's body replaces its message;
+    it must list exactly the skeleton's TODOs, or the grader and the section marks drift."""
+    shipped = json.loads((ROOT / todo.MANIFEST).read_text()).get(folder, {})
+    now = {m: [[n, *sec] for n, sec in found] for m, found in todo.scan(ROOT, folder).items()}
+    assert shipped == now, f"{todo.MANIFEST} is stale for {folder}: run .venv/bin/python -m labkit.grading.todo"
 
 
 @pytest.mark.parametrize("folder", BUILT)
