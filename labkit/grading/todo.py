@@ -85,7 +85,9 @@ def write_manifest(root: Path, folders) -> None:
     """Record the TODOs of the untouched skeleton (make student-edition, a graded copy)."""
     shipped = {f: {m: [[n, *s] for n, s in found] for m, found in scan(root, f).items()} for f in folders}
     stages = [
-        f"  {json.dumps(f)}: {{\n" + ",\n".join(f"    {json.dumps(m)}: {json.dumps(t)}" for m, t in mods.items()) + "\n  }"
+        f"  {json.dumps(f)}: {{\n"
+        + ",\n".join(f"    {json.dumps(m)}: {json.dumps(t)}" for m, t in mods.items())
+        + "\n  }"
         for f, mods in shipped.items()
     ]  # one line a module, so a diff shows which TODOs changed
     (root / MANIFEST).write_text("{\n" + ",\n".join(stages) + "\n}\n")
