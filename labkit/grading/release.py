@@ -54,6 +54,10 @@ FOR_LEARNERS = {
     ],
     "README.md": [
         (re.compile(r"^make test +#.*\n", re.M), ""),
+        (  # the edition's server runs the learner's stage 04, which starts as TODOs: the labs come first
+            re.compile(r"^make setup && make serve +# (.*)\n +# served by .*\n", re.M),
+            r"make setup && make lab     # \1\n                           # then Jupyter on the handouts; once your stage 04 passes, make serve chats with it\n",
+        ),
         (re.compile(r"make grade, make test, the learner edition"), "make grade"),
     ],
     "stage04_batching/README.md": [(re.compile(r"-m solutions\.stage04_batching\.serve"), "-m stage04_batching.serve")],
