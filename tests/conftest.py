@@ -11,7 +11,7 @@ TODOs of the learner modules it imports, a given function of a learner module as
     s3          lab.ipynb §3:   .venv/bin/pytest tests/stage01_forward_numpy -m s3
     lab2_s1     lab2.ipynb §1 (a stage's part 2; lab3_s2 for lab3.ipynb §2)
     todos(...)  the TODO names the test calls, which the grader reads to tell which TODO a failure belongs to
-    in_process  the test needs the learner's objects themselves (the grader's --submission, README)
+    in_process  the test needs the learner's objects themselves (the grader's --submission, INSTRUCTORS.md)
 
 Order: part 2 follows part 1; within a part, files run by their file's section, test_NN_families.py last
 among equals, the others by name. Tests inside a file keep pytest's order, so module- and parameter-scoped

@@ -22,7 +22,7 @@ for those tests alone.
 `make grade` is self-assessment: it runs in your own checkout. --submission is the instructor's
 tool: it copies only the learner-editable files (stage modules with a TODO) from PATH into a
 clean copy of the course without the solutions, and runs each row sandboxed (labkit.grading.sandbox):
-nothing outside the copy is writable and no process outlives the row. README, "Threat model".
+nothing outside the copy is writable and no process outlives the row. INSTRUCTORS.md, "Threat model".
 """
 
 import argparse

@@ -9,11 +9,11 @@ rewrite; a test the pipe never hears about counts as failed (labkit.grading.grad
 With LABKIT_WORKER set (labkit.grading.grade --submission, most rows), the learner's code runs in a
 worker process (labkit.grading.worker) and this process is made non-dumpable, so neither the worker nor
 any process a test starts can open this one's /proc/PID/fd or memory. Without it (self-assessment,
-and the rows README's threat model names) the learner's code runs in this same process and could
+and the rows INSTRUCTORS.md's threat model names) the learner's code runs in this same process and could
 still reach pytest's machinery. The plugin therefore checks, after every test, that what decides an outcome is what it was before
 the first test: pytest's hook implementations and the assertion helpers tests call. If anything
 changed, it reports "tampered" and the grader scores the whole row zero. This detects the known
-routes (a hook planted via gc, a patched assert_allclose); it is not isolation (README, threat model).
+routes (a hook planted via gc, a patched assert_allclose); it is not isolation (INSTRUCTORS.md, threat model).
 """
 
 import ctypes
