@@ -80,7 +80,7 @@ def create_app(
         yield
         await core.stop()
         tokenize_pool.shutdown(wait=False)
-        compile_pool.shutdown(wait=False, cancel_futures=True)
+        compile_pool.shutdown(wait=True, cancel_futures=True)  # at most one compile, within its budget
         mask_pool.shutdown(wait=False)
 
     app = FastAPI(title="stage04 inference server", lifespan=lifespan)
