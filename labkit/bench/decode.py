@@ -170,7 +170,7 @@ def main(quick: bool = False) -> bench.Result:
         floor = weight_bytes.get(name, fp32_bytes) / bandwidth
         rows.append({"step": name, "ms/step": round(t.median * 1e3, 3),
                      "vs llama.cpp F32": round(t.median / cpp.median, 2) if cpp else "",
-                     "floor ms": round(floor * 1e3, 3), "vs its floor": round(t.median / floor, 2),
+                     "floor ms": round(floor * 1e3, 3), "vs floor": round(t.median / floor, 2),
                      "aten ops": ops.get(name, "")})  # fmt: skip
     print(bench.table(rows, title=f"one cached decode step at context {CONTEXT}, {which}, 1 thread, median"))
     agree = {w: sum(a == b for a, b in zip(tokens[w], tokens["fp32"], strict=True)) for w in ("int8", "int4")}
