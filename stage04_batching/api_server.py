@@ -15,6 +15,8 @@ import dataclasses
 import json
 import multiprocessing
 import os
+import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
@@ -39,6 +41,19 @@ from .protocol import (
     sse,
     validation_error,
 )
+
+
+def _compile_worker(server_pid: int) -> None:
+    """The compile process's start: low priority, and gone once the server is (a killed server skips the
+    pool's shutdown, and a worker blocked on its queue would otherwise live on)."""
+    os.nice(10)
+
+    def watch() -> None:
+        while os.getppid() == server_pid:
+            time.sleep(1)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="server-watch").start()
 
 
 def create_app(
@@ -69,7 +84,7 @@ def create_app(
     # hold the GIL that tokenization, the engine's steps and /health need (vLLM compiles grammars in a
     # background pool too). One worker leaves a core to serving; spawn, not fork: this process runs threads.
     compile_pool = ProcessPoolExecutor(
-        1, mp_context=multiprocessing.get_context("spawn"), initializer=os.nice, initargs=(10,)
+        1, mp_context=multiprocessing.get_context("spawn"), initializer=_compile_worker, initargs=(os.getpid(),)
     )
 
     @contextlib.asynccontextmanager
