@@ -1,4 +1,4 @@
-"""§2 of lab2.ipynb under load: one client's constraint must not stall the others (issue #32).
+"""§2 of lab2.ipynb under load: one client's constraint must not stall the others.
 
 The reference for each mask is the slow obvious walk of every token's bytes through the DFA in this
 file; the bystander's time to first token is compared with its own idle figure, measured in the same
