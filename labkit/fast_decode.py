@@ -27,6 +27,7 @@ Decode reads every weight once per token, so at batch 1 fewer bytes per weight i
 `group_size` inputs, as llama.cpp's Q4_1 blocks of 32) quantize the snapshot, LM head included,
 round to nearest, and run PyTorch's packed CPU kernels (aten._weight_int8pack_mm and
 _weight_int4pack_mm_for_cpu), which dequantize inside the matmul: the activations stay float32.
+Compiled, the int8 step instead multiplies the codes in a loop inductor fuses, which streams them.
 
 make bench STAGE=decode compares it with the eager model, Hugging Face and llama.cpp.
 """
@@ -140,7 +141,11 @@ class StaticDecoder:
         if self.weights == "fp32":
             return x @ w
         flat = x.reshape(-1, x.shape[-1])  # the packed kernels take 2-D activations
-        if self.weights == "int8":
+        if self.weights == "int8" and self.backend == "compile":
+            # inductor fuses this into one loop over the int8 codes: at batch 1 on one thread it measured
+            # 12x faster than the packed kernel for the 49,152 x 576 LM head (1.9 vs 23 ms; fp32 5.7 ms)
+            y = (flat[:, None, :] * w[0].float()).sum(-1) * w[1]
+        elif self.weights == "int8":
             y = torch.ops.aten._weight_int8pack_mm(flat, *w)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, w[0], self.group_size, w[1])
