@@ -159,7 +159,9 @@ def test_todo_messages_name_the_stage_and_the_handout_section(folder):
 def test_the_shipped_todo_list_matches_the_skeleton(folder):
     """tests/todos.json keeps each TODO's name and section once the learner's body replaces its message;
     it must list exactly the skeleton's TODOs, or the grader and the section marks drift."""
-    shipped = json.loads((ROOT / todo.MANIFEST).read_text()).get(folder, {})
+    manifest = ROOT / todo.MANIFEST
+    assert manifest.is_file(), f"{todo.MANIFEST} is missing: run .venv/bin/python -m labkit.grading.todo"
+    shipped = json.loads(manifest.read_text()).get(folder, {})
     now = {m: [[n, *sec] for n, sec in found] for m, found in todo.scan(ROOT, folder).items()}
     assert shipped == now, f"{todo.MANIFEST} is stale for {folder}: run .venv/bin/python -m labkit.grading.todo"
 

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from labkit import ROOT
+from labkit.grading import todo
 
 NOTEBOOK = {
     "cells": [
@@ -55,9 +56,9 @@ def course(tmp_path_factory):
     share = "\n\nfrom labkit.impl import share_given_modules\n\nshare_given_modules(__path__, __name__)\n"
     write(root / "solutions" / "__init__.py", "")
     write(root / "solutions" / "stage02_kv_cache" / "__init__.py", '"""Toy stage."""\n' + share)
-    for module, (name, todo, body) in MODULES.items():
+    for module, (name, message, body) in MODULES.items():
         head = f'def {name}(x: int) -> int:\n    """{name} of x."""\n'
-        write(root / "stage02_kv_cache" / f"{module}.py", f'{head}    raise NotImplementedError("{todo}")\n')
+        write(root / "stage02_kv_cache" / f"{module}.py", f'{head}    raise NotImplementedError("{message}")\n')
         write(root / "solutions" / "stage02_kv_cache" / f"{module}.py", f"{head}    {body}\n")
         notebook = json.dumps(NOTEBOOK).replace("{module}", module).replace("{name}", name)
         write(root / "stage02_kv_cache" / ("lab.ipynb" if module == "toy" else "lab2.ipynb"), notebook)
@@ -69,6 +70,7 @@ def course(tmp_path_factory):
         root / "tests" / "stage02_kv_cache" / "test_02b_toy.py",
         "def test_square(impl):\n    assert impl('stage02_kv_cache.toy2').square(3) == 9\n",
     )
+    todo.write_manifest(root, ["stage02_kv_cache"])  # the TODO list the course ships (tests/todos.json)
     return root
 
 
