@@ -19,6 +19,15 @@ def llama_and_mistral(seed: int, window: int, kv_heads: int = 2):
     return labkit_from_hf(hf), mistral
 
 
+def assert_matches_mistral(logits: list, mistral, ids, case: str) -> None:
+    """The pieces of logits the cache produced, concatenated, against HF Mistral's full forward."""
+    with torch.no_grad():
+        expected = mistral(ids).logits
+    torch.testing.assert_close(
+        torch.cat(logits, dim=1), expected, atol=1e-5, rtol=0, msg=f"{case}: vs HF Mistral with its sliding window"
+    )
+
+
 @pytest.mark.parametrize("seed,window,prefill", [(0, 4, 3), (1, 5, 9), (2, 7, 7)])
 def test_sliding_window_decode_matches_hf_mistral(impl, seed, window, prefill):
     model, mistral = llama_and_mistral(seed, window)
@@ -27,15 +36,7 @@ def test_sliding_window_decode_matches_hf_mistral(impl, seed, window, prefill):
     cache = sw.SlidingWindowCache(model.config, 1, window)
     logits = [sw.forward_sliding(model, ids[:, :prefill], cache)]
     logits += [sw.forward_sliding(model, ids[:, t : t + 1], cache) for t in range(prefill, 21)]
-    with torch.no_grad():
-        expected = mistral(ids).logits
-    torch.testing.assert_close(
-        torch.cat(logits, dim=1),
-        expected,
-        atol=1e-5,
-        rtol=0,
-        msg=f"seed={seed} window={window} prefill={prefill}: vs HF Mistral with sliding_window={window}",
-    )
+    assert_matches_mistral(logits, mistral, ids, f"seed={seed} window={window} prefill={prefill}")
 
 
 @pytest.mark.parametrize("T", [3, 11])
@@ -75,12 +76,4 @@ def test_sliding_window_chunks_into_a_wrapped_ring_match_hf_mistral(impl, seed, 
     for T in chunks:
         logits.append(sw.forward_sliding(model, ids[:, start : start + T], cache))
         start += T
-    with torch.no_grad():
-        expected = mistral(ids).logits
-    torch.testing.assert_close(
-        torch.cat(logits, dim=1),
-        expected,
-        atol=1e-5,
-        rtol=0,
-        msg=f"seed={seed} window={window} chunks={chunks} kv_heads={kv_heads}: vs HF Mistral",
-    )
+    assert_matches_mistral(logits, mistral, ids, f"seed={seed} window={window} chunks={chunks} kv_heads={kv_heads}")
