@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .. import ROOT, plot
 from ..plot import RESULTS
-from ..timing import Timing, compare, decode_step, gc_paused, interleaved, measure, table  # noqa: F401  (benchmarks call bench.measure, ...)
+from ..timing import compare, decode_step, interleaved, measure, table  # noqa: F401  (benchmarks call bench.measure, ...)
 
 
 def model(role: str = "MODEL"):
