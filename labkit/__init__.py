@@ -25,6 +25,7 @@ STAGES = {
     "06": ("stage06_speculative", "speculative decoding, rejection sampling, prompt lookup"),
     "06b": ("stage06_speculative", "Speculation in a batching engine, Medusa heads"),
     "07": ("stage07_tensor_parallel", "column/row-parallel layers, a tensor-parallel model"),
+    "07b": ("stage07_tensor_parallel", "A fleet behind one endpoint: a radix prefix cache, routing policies, goodput under an SLO"),
 }
 
 
