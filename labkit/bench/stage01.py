@@ -29,11 +29,11 @@ def blas_threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def llama_pair():
-    """(label, HF model, NumPy params, numpy forward) for $MODEL's folder, the tiny target by default."""
+def llama_pair(folder=None):
+    """(label, HF model, NumPy params, numpy forward) for a Llama folder, $MODEL's (the tiny target) by default."""
     from transformers import AutoModelForCausalLM
 
-    folder = model_folder()
+    folder = folder or model_folder()
     llama = load("stage01_forward_numpy.llama_numpy")
     params = llama.load_llama_params(folder)  # first: its errors say what is wrong with the folder
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -53,11 +53,15 @@ def gpt2_small_pair():
 
 
 def main(quick: bool = False) -> bench.Result:
+    return run([llama_pair] + ([] if quick else [gpt2_small_pair]), repeats=3 if quick else 7)
+
+
+def run(builds, repeats: int) -> bench.Result:
+    """Time each pair that `builds` makes, NumPy against torch, interleaved; one model in memory at a time."""
     threads = blas_threads()
     pin_threads(threads)
-    repeats = 3 if quick else 7
     rows = []
-    for build in [llama_pair] + ([] if quick else [gpt2_small_pair]):  # one model in memory at a time
+    for build in builds:
         label, hf, params, forward = build()
         ids = np.random.default_rng(0).integers(0, hf.config.vocab_size, size=PREFILL)
         ids_t = torch.from_numpy(ids)[None]
@@ -74,6 +78,8 @@ def main(quick: bool = False) -> bench.Result:
         rows.append(
             {
                 "model": label,
+                "torch prefill s": t_torch.median,
+                "numpy prefill s": t_numpy.median,
                 "torch tok/s": PREFILL / t_torch.median,
                 "numpy tok/s": PREFILL / t_numpy.median,
                 "numpy/torch": ratio,
