@@ -25,13 +25,22 @@ from labkit.specs import H100, LLAMA3_70B
 CONTEXT = 64
 
 
-def _decode_worker(steps: int) -> dict:
+def _decode_worker(steps: int, folder: str | None = None) -> dict:
     """On every rank: median decode-step time and the part spent inside collectives. With two or
     more ranks, rank 0 also times a step of the unsharded model between TP steps (the others
-    wait at the barrier before the next call), so TP=1 and TP=2 are measured interleaved, under
-    the same load; every call starts together after a barrier, as a GPU stream would."""
+    wait at the barrier before the next call), so TP=1 and TP=N are measured interleaved, under
+    the same load; every call starts together after a barrier, as a GPU stream would. `folder`:
+    a Llama folder instead of $MODEL's (stage07_real.py)."""
     tp = load("stage07_tensor_parallel.tp_model")
-    full, _ = bench.model()
+    if folder:
+        from labkit.model import from_pretrained
+
+        # TPLlama builds a full-size Llama before its strict load overwrites every weight: at 135 M
+        # parameters that random init costs seconds per rank, so this process skips it.
+        torch.nn.Linear.reset_parameters = torch.nn.Embedding.reset_parameters = lambda self: None
+        full = from_pretrained(folder).eval()
+    else:
+        full, _ = bench.model()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tp.TPLlama(full.config).eval()
     model.load_state_dict(tp.shard_state_dict(full.state_dict(), rank, world, full.config))
@@ -63,10 +72,15 @@ def _decode_worker(steps: int) -> dict:
     x, n = torch.zeros(1, 1, full.config.hidden_size), collectives_per_token(full.config)
     burst = bench.measure(lambda: [dist.all_reduce(x) for _ in range(n)], repeats=20, warmup=1, before=dist.barrier)
     alpha = burst.median / n if world > 1 else 0.0
+    # The one collective that is not latency-bound: gathering each rank's slice of the logits.
+    shard = torch.zeros(1, full.config.vocab_size // world)
+    parts = [torch.empty_like(shard) for _ in range(world)]
+    gather = bench.measure(lambda: dist.all_gather(parts, shard), repeats=20, warmup=1, before=dist.barrier)
     return {
         "step_s": t["tp"].median,
         "comm_s": statistics.median(comm_s[-steps:]),
         "all_reduce_s": alpha,
+        "all_gather_s": gather.median if world > 1 else 0.0,
         "unsharded_step_s": t["full"].median if timed_full else float("nan"),
     }
 
