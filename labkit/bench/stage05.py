@@ -15,25 +15,27 @@ from labkit.tensor_memory import TensorWatch
 MIB = 2**20
 
 
-def cpu_memory(lengths: list[int], head_dim: int = 64, block: int = 256) -> list[dict]:
-    """Peak bytes of tensors created by one attention call, B = H = 1, float32, non-causal."""
+def cpu_memory(
+    lengths: list[int], head_dim: int = 64, block: int = 256, heads: int = 1, kv_heads: int = 1, causal: bool = False
+) -> list[dict]:
+    """Peak bytes of tensors created by one attention call, B = 1, float32 (B = H = 1, non-causal by default)."""
     attn = load("stage05_flashattention.tiled_attention")
     rows = []
     with pin_threads(1):  # bytes, not seconds: one thread avoids OpenMP stalls on a busy machine
         for T in lengths:
             g = torch.Generator().manual_seed(T)
-            q, k, v = (torch.randn(1, 1, T, head_dim, generator=g) for _ in range(3))
+            q, k, v = (torch.randn(1, h, T, head_dim, generator=g) for h in (heads, kv_heads, kv_heads))
             with TensorWatch() as naive:
-                attn.naive_attention(q, k, v)
+                attn.naive_attention(q, k, v, causal=causal)
             with TensorWatch() as tiled:
-                attn.tiled_attention(q, k, v, block_q=block, block_k=block)
+                attn.tiled_attention(q, k, v, causal=causal, block_q=block, block_k=block)
             rows.append(
                 {
                     "T": T,
                     "naive MiB": naive.peak_bytes / MIB,
                     "tiled MiB": tiled.peak_bytes / MIB,
                     "naive/tiled": naive.peak_bytes / tiled.peak_bytes,
-                    "T×T fp32 MiB": T * T * 4 / MIB,
+                    "T×T fp32 MiB": heads * T * T * 4 / MIB,  # every query head's scores
                 }
             )
     return rows
