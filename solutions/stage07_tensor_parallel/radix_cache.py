@@ -115,10 +115,10 @@ class RadixCache:
         node, values = self.root, []
         while key and self.child_key(key) in node.children:
             node = node.children[self.child_key(key)]
-            node.last_access = now
             n = self.match_length(node.key, key)
             if n < len(node.key):
-                node = self._split_node(node, n)
+                node = self._split_node(node, n)  # only the head was used: the tail keeps its time
+            node.last_access = now
             values += node.value
             key = key[n:]
         return values, node
@@ -138,10 +138,10 @@ class RadixCache:
         node, cached = self.root, 0
         while key and self.child_key(key) in node.children:
             node = node.children[self.child_key(key)]
-            node.last_access = now
             n = self.match_length(node.key, key)
             if n < len(node.key):
-                node = self._split_node(node, n)
+                node = self._split_node(node, n)  # only the head was used: the tail keeps its time
+            node.last_access = now
             cached += n
             key, value = key[n:], value[n:]
         if key:

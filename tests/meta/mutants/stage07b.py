@@ -2,6 +2,108 @@
 
 MUTANTS = [
     # --- radix_cache.py (lab2) ---
+    dict(
+        file="radix_cache.py",
+        find="            node.last_access = now\n            values += node.value",
+        replace="            values += node.value",
+        bug="match_prefix does not mark the path as used (LRU by insertion time, not by access)",
+    ),
+    dict(
+        file="radix_cache.py",
+        find="            if n < len(node.key):\n                node = self._split_node(node, n)  # only the head was used: the tail keeps its time\n            node.last_access = now\n            values += node.value",
+        replace="            node.last_access = now\n            values += node.value[:n]",
+        bug="match_prefix returns the right values but does not split (the node it returns ends past the match)",
+    ),
+    dict(
+        file="radix_cache.py",
+        find="            n = self.match_length(node.key, key)\n            if n < len(node.key):\n                node = self._split_node(node, n)  # only the head was used: the tail keeps its time\n            node.last_access = now\n            values",
+        replace="            node.last_access = now\n            n = self.match_length(node.key, key)\n            if n < len(node.key):\n                node = self._split_node(node, n)\n            values",
+        bug="match_prefix stamps the node before splitting it, so the unused tail looks just used",
+    ),
+    dict(
+        file="radix_cache.py",
+        find="        keep = len(key) // self.page_size * self.page_size\n",
+        replace="        keep = len(key)\n",
+        bug="insert caches a partial last page (keys not cut to whole pages)",
+    ),
+    dict(
+        file="radix_cache.py",
+        find="        return cached\n",
+        replace="        return len(key)\n",
+        bug="insert returns how many tokens it added instead of how many were cached already",
+    ),
+    dict(
+        file="radix_cache.py",
+        find="            key, value = key[n:], value[n:]",
+        replace="            key, value = key[n:], value[:-n]",
+        bug="insert drops values from the wrong end while walking (new nodes get the wrong slots)",
+    ),
+    dict(
+        file="radix_cache.py",
+        find="            node.last_access = now\n            cached += n",
+        replace="            cached += n",
+        bug="insert does not mark the path it walked as used",
+    ),
+    dict(
+        file="radix_cache.py",
+        find="child.key[split_len:], child.value[split_len:], head",
+        replace="child.key[split_len:], child.value[split_len + 1 :] + child.value[-1:], head",
+        bug="_split_node cuts the tail's values one past the split (off by one; lengths still match)",
+    ),
+    dict(
+        file="radix_cache.py",
+        find="            lock_ref=child.lock_ref, last_access=child.last_access,",
+        replace="            lock_ref=0, last_access=child.last_access,",
+        bug="_split_node does not copy the lock count to the new head (a locked path becomes evictable)",
+    ),
+    dict(
+        file="radix_cache.py",
+        find="        head.children[self.child_key(child.key)] = child\n",
+        replace="        head.children[self.child_key(child.key[:1])] = child\n",
+        bug="_split_node files the tail under its first token even when pages are longer",
+    ),
+    dict(
+        file="radix_cache.py",
+        find="        while node is not self.root:\n            node.lock_ref += 1\n            node = node.parent",
+        replace="        node.lock_ref += 1",
+        bug="inc_lock_ref locks only the node, not its ancestors",
+    ),
+    dict(
+        file="radix_cache.py",
+        find="            node.lock_ref -= 1\n            node = node.parent",
+        replace="            node.lock_ref -= 1\n            break",
+        bug="dec_lock_ref unlocks only the node, not its ancestors",
+    ),
+    dict(
+        file="radix_cache.py",
+        find="        leaves = [n for n in self.nodes() if not n.children and n.lock_ref == 0]",
+        replace="        leaves = [n for n in self.nodes() if not n.children]",
+        bug="evict frees locked leaves",
+    ),
+    dict(
+        file="radix_cache.py",
+        find="            if parent is not self.root and not parent.children and parent.lock_ref == 0:",
+        replace="            if parent is not self.root and not parent.children:",
+        bug="evict lets a locked parent left without children become a candidate",
+    ),
+    dict(
+        file="radix_cache.py",
+        find="            leaf = min(leaves, key=lambda n: n.last_access)",
+        replace="            leaf = leaves[0]",
+        bug="evict takes leaves in tree order, not least recently used first",
+    ),
+    dict(
+        file="radix_cache.py",
+        find="            if parent is not self.root and not parent.children and parent.lock_ref == 0:\n                leaves.append(parent)",
+        replace="            pass",
+        bug="evict never considers a parent left without children (stops before freeing enough)",
+    ),
+    dict(
+        file="radix_cache.py",
+        find="            freed += len(leaf.key)",
+        replace="            freed += 1",
+        bug="evict counts nodes instead of tokens (frees far more than asked)",
+    ),
     # --- policies.py, kv_index.py (lab3) ---
     dict(
         file="policies.py",
