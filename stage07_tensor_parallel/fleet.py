@@ -1,0 +1,168 @@
+"""A fleet on this machine: N replica processes and the router in front of them (given code).
+
+    with Fleet(labkit.TARGET, replicas=4, policy="cache_aware", num_slots=512) as fleet:
+        openai.OpenAI(base_url=fleet.url + "/v1", api_key="none").completions.create(...)
+        fleet.stats()         # per replica: the engine's stats (prefill_tokens_computed, slots_in_use, ...)
+
+    python -m stage07_tensor_parallel.fleet --replicas 4 --policy cache_aware --port 8000
+
+Each replica is `python -m <this package>.replica` in its own process (so the learner's or the reference
+code, whichever this module was loaded from), one torch thread each; they exit with this process. The
+router runs in this process, on a free port (labkit.serving). On other machines, start replica.py there
+and point router.py's CLI at their addresses instead.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import zmq
+
+from labkit import ROOT, checkpoint
+from labkit.serving import serving
+
+from .router import POLICIES, chat_template, create_app
+
+
+class Fleet:
+    """Start the replicas and the router on enter; stop both on exit. engine_settings go to each ReplicaEngine."""
+
+    def __init__(
+        self,
+        model_folder=None,
+        replicas: int = 4,
+        policy: str = "cache_aware",
+        *,
+        policy_options: dict | None = None,
+        drop_events: float = 0.0,
+        start_timeout: float = 60.0,
+        **engine_settings,
+    ):
+        if replicas < 1:
+            raise ValueError(f"a fleet needs at least one replica, got replicas={replicas}")
+        if policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {policy!r}; pick one of {', '.join(POLICIES)}")
+        self.folder = Path(model_folder or checkpoint.model_folder())
+        self.n, self.policy, self.policy_options = replicas, policy, policy_options
+        self.drop_events, self.start_timeout, self.engine_settings = drop_events, start_timeout, engine_settings
+        self.procs: list[subprocess.Popen] = []
+        self.addresses: list[str] = []
+
+    def start_replicas(self) -> None:
+        package = __name__.rsplit(".", 1)[0]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        for i in range(self.n):
+            cmd = [sys.executable, "-m", f"{package}.replica", "--model", str(self.folder), "--name", f"w{i}",
+                   "--engine", json.dumps(self.engine_settings), "--parent-pid", str(os.getpid())]  # fmt: skip
+            self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True, cwd=ROOT))
+        for proc in self.procs:  # each prints its ports once its model is loaded
+            line = self._first_line(proc)
+            self.addresses.append(f"tcp://127.0.0.1:{json.loads(line)['port']}")
+
+    def _first_line(self, proc: subprocess.Popen) -> str:
+        result = []
+        reader = threading.Thread(target=lambda: result.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(self.start_timeout)
+        if not result or not result[0]:
+            raise RuntimeError(
+                f"replica {proc.args[proc.args.index('--name') + 1]} did not start within {self.start_timeout} s "
+                f"(exit code {proc.poll()}); run its command by hand to see why: {' '.join(proc.args)}"
+            )
+        return result[0]
+
+    def __enter__(self) -> "Fleet":
+        try:
+            self.start_replicas()
+            config = checkpoint.read_config(self.folder)
+            self.app = create_app(
+                self.addresses, checkpoint.load_tokenizer(self.folder), policy=self.policy,
+                policy_options=self.policy_options, render_chat=chat_template(self.folder),
+                eos_token_id=config.get("eos_token_id"), model_name=self.folder.name, drop_events=self.drop_events,
+            )  # fmt: skip
+            self._serving = serving(self.app, timeout=self.start_timeout)
+            self.url = self._serving.__enter__()
+        except BaseException:
+            self.stop_replicas()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._serving.__exit__(*exc)
+        finally:
+            self.stop_replicas()
+
+    def stop_replicas(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+        self.procs = []
+
+    @property
+    def router(self):
+        """The router's state (its workers, KV index and policy), for inspection."""
+        return self.app.state.fleet
+
+    def ask(self, i: int, msg: dict, timeout: float = 10.0) -> dict:
+        """Send replica i one control message ({"type": "stats"} or {"type": "snapshot"}) and return its reply."""
+        with zmq.Context.instance().socket(zmq.DEALER) as sock:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.addresses[i])
+            sock.send_json(msg)
+            if not sock.poll(timeout * 1000):
+                raise TimeoutError(f"replica {i} ({self.addresses[i]}) did not answer {msg} within {timeout} s")
+            return sock.recv_json()
+
+    def stats(self) -> list[dict]:
+        """Each replica's engine stats, asked directly (not through the router)."""
+        return [self.ask(i, {"type": "stats"})["stats"] for i in range(self.n)]
+
+    def wait_idle(self, timeout: float = 30.0) -> list[dict]:
+        """Stats once no replica runs or queues a request (aborts reach a replica a moment after a client leaves)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            stats = self.stats()
+            if all(s["num_running"] == 0 and s["num_waiting"] == 0 for s in stats) or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.05)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="N replicas of a model behind one OpenAI-compatible router.")
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--policy", default="cache_aware", choices=sorted(POLICIES))
+    ap.add_argument("--model", default=None, help="model folder (default: $MODEL, else the tiny target)")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--engine", default="{}", help='ReplicaEngine settings as JSON, e.g. {"num_slots": 512}')
+    args = ap.parse_args(argv)
+    fleet = Fleet(args.model, args.replicas, args.policy, **json.loads(args.engine))
+    import uvicorn
+
+    fleet.start_replicas()
+    try:
+        config = checkpoint.read_config(fleet.folder)
+        app = create_app(
+            fleet.addresses, checkpoint.load_tokenizer(fleet.folder), policy=args.policy,
+            render_chat=chat_template(fleet.folder), eos_token_id=config.get("eos_token_id"),
+            model_name=fleet.folder.name,
+        )  # fmt: skip
+        print(f"{args.replicas} replicas at {', '.join(fleet.addresses)}; router on http://127.0.0.1:{args.port}")
+        uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    finally:
+        fleet.stop_replicas()
+
+
+if __name__ == "__main__":
+    main()

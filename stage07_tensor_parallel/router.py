@@ -1,0 +1,476 @@
+"""The fleet's front: one OpenAI-compatible endpoint over many replicas (given code).
+
+    app = create_app(["tcp://10.0.0.5:5555", "tcp://10.0.0.6:5555"], tokenizer, policy="cache_aware")
+    python -m stage07_tensor_parallel.router --replica tcp://10.0.0.5:5555 --replica tcp://10.0.0.6:5555
+
+Replicas are zmq addresses (replica.py), so they may run on this machine or others: start
+`python -m stage07_tensor_parallel.replica --host 0.0.0.0 --port 5555` on each machine and name them
+here. At start the router says hello to each (learning its name, page size, context and PUB port),
+subscribes to its KV events and asks for a snapshot of its cache.
+
+Routes: POST /v1/completions and /v1/chat/completions (stream=true: server-sent events), GET /v1/models,
+/health, /fleet/stats. The router tokenizes, applies the chat template, asks the policy for a worker and
+forwards the token ids; tokens stream back and are detokenized here. The OpenAI `user` field is the
+session id that SessionAffinity keys on. A bad request gets a 400 naming the field; a client that
+disconnects aborts its request on the replica (its slots go back at once); on shutdown uvicorn lets every
+accepted request finish, and any still open after that gets an error, so none is dropped silently.
+"""
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+import zmq
+import zmq.asyncio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .kv_index import KVAware, KVIndex
+from .policies import (
+    CacheAware,
+    LeastOutstanding,
+    Policy,
+    PowerOfTwo,
+    RoundRobin,
+    RoutedRequest,
+    SessionAffinity,
+    WorkerState,
+)
+from .replica_engine import page_hashes
+
+log = logging.getLogger(__name__)
+POLICIES = {p.name: p for p in (RoundRobin, LeastOutstanding, PowerOfTwo, SessionAffinity, CacheAware, KVAware)}
+
+
+def make_policy(name: str, index: KVIndex, page_size: int, **options) -> Policy:
+    """A policy by name (round_robin, least_outstanding, power_of_two, session_affinity, cache_aware, kv_aware)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; pick one of {', '.join(POLICIES)}")
+    if name == "kv_aware":
+        return KVAware(index, page_size, **options)
+    return POLICIES[name](**options)
+
+
+class Sampling(BaseModel):
+    """What both endpoints take. A field the fleet does not implement is a 400 that names it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = Field(None, max_length=256)
+    user: str | None = Field(None, max_length=256)  # the session id (SessionAffinity)
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stream: bool = False
+    ignore_eos: bool = False
+
+
+class Completion(Sampling):
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatCompletion(Sampling):
+    messages: list[Message] = Field(min_length=1)
+
+
+def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+
+
+def plain_chat(turns: list[dict]) -> str:
+    return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
+
+
+def chat_template(folder) -> "callable":
+    """messages -> prompt text: the checkpoint's chat_template (tokenizer_config.json) in a sandbox, else
+    `role: content` lines ending in `assistant:`."""
+    file = Path(folder) / "tokenizer_config.json"
+    config = json.loads(file.read_text()) if file.is_file() else {}
+    if not isinstance(config.get("chat_template"), str):
+        return plain_chat
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    tokens = {k: config[k] for k in ("bos_token", "eos_token") if isinstance(config.get(k), str)}
+    template = env.from_string(config["chat_template"], globals=tokens)
+    return lambda turns: template.render(messages=turns, add_generation_prompt=True)
+
+
+@dataclass
+class Worker:
+    address: str
+    sock: zmq.asyncio.Socket
+    state: WorkerState
+    page_size: int = 16
+    max_len: int = 0
+    replies: dict[str, asyncio.Future] = field(default_factory=dict)  # "stats" -> the pending reply
+
+
+class RouterState:
+    """The router's live state: workers, open requests, the KV index and the policy."""
+
+    def __init__(self, addresses, policy, policy_options, drop_events, seed, ctx):
+        self.addresses, self.policy_name, self.policy_options = list(addresses), policy, policy_options or {}
+        self.ctx, self.index = ctx, KVIndex()
+        self.drop_events, self.rng = drop_events, random.Random(seed)  # drop_events: a lossy network, for tests
+        self.workers: dict[str, Worker] = {}  # worker name -> Worker
+        self.queues: dict[str, asyncio.Queue] = {}  # request id -> its replica messages
+        self.snapshot_asked: set[str] = set()
+        self.tasks: list[asyncio.Task] = []
+        self.policy: Policy | None = None
+        self.dropped = 0
+
+    async def start(self, timeout: float = 30.0) -> None:
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        for address in self.addresses:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            await sock.send_json({"type": "hello"})
+            if not await sock.poll(timeout * 1000):
+                raise RuntimeError(f"replica {address} did not answer hello within {timeout} s; is it running?")
+            hello = await sock.recv_json()
+            name = hello["worker"]
+            if name in self.workers:
+                raise ValueError(f"two replicas are named {name!r} ({address}); start each with its own --name")
+            self.workers[name] = Worker(address, sock, WorkerState(name), hello["page_size"], hello["max_len"])
+            sub.connect(f"{address.rsplit(':', 1)[0]}:{hello['pub_port']}")
+        page_sizes = {w.page_size for w in self.workers.values()}
+        if len(page_sizes) > 1:
+            raise ValueError(f"replicas use different page sizes {sorted(page_sizes)}; start them alike")
+        self.page_size = page_sizes.pop()
+        self.max_len = min(w.max_len for w in self.workers.values())
+        self.vocab_size = hello["vocab_size"]  # the model's, which may exceed the tokenizer's
+        self.policy = make_policy(self.policy_name, self.index, self.page_size, **self.policy_options)
+        self.sub = sub
+        self.tasks = [asyncio.ensure_future(self.read(w)) for w in self.workers.values()]
+        self.tasks.append(asyncio.ensure_future(self.read_events()))
+        for name in self.workers:
+            await self.ask_snapshot(name)
+
+    async def ask_snapshot(self, name: str) -> None:
+        if name not in self.snapshot_asked:
+            self.snapshot_asked.add(name)
+            await self.workers[name].sock.send_json({"type": "snapshot"})
+
+    async def read(self, worker: Worker) -> None:
+        """One replica's replies: tokens and errors to their request's queue, snapshots to the index."""
+        while True:
+            msg = await worker.sock.recv_json()
+            kind = msg.get("type")
+            if kind in ("token", "error") and msg.get("request_id") in self.queues:
+                self.queues[msg["request_id"]].put_nowait(msg)
+            elif kind == "snapshot":
+                self.snapshot_asked.discard(msg["worker"])
+                with self.guard("KVIndex.apply_snapshot"):
+                    if not self.index.apply_snapshot(msg["worker"], msg["seq"], msg["block_hashes"]):
+                        await self.ask_snapshot(msg["worker"])
+            elif kind in worker.replies:
+                worker.replies.pop(kind).set_result(msg)
+
+    async def read_events(self) -> None:
+        """KV events (and heartbeats) from every replica into the index; a gap asks for a snapshot."""
+        while True:
+            msg = await self.sub.recv_json()
+            name = msg.get("worker")
+            if name not in self.workers:
+                continue
+            if self.drop_events and self.rng.random() < self.drop_events:
+                self.dropped += 1
+                continue
+            if msg["kind"] == "heartbeat":
+                if msg["seq"] > self.index.seq[name] and name not in self.index.needs_snapshot():
+                    await self.ask_snapshot(name)  # the latest events were lost (or this router is new)
+                continue
+            with self.guard("KVIndex.apply"):
+                if not self.index.apply(name, msg["seq"], msg["kind"], msg["block_hashes"]):
+                    await self.ask_snapshot(name)
+
+    @contextlib.contextmanager
+    def guard(self, what: str):
+        """An error in the index must not stop the reader that also carries every request's tokens."""
+        try:
+            yield
+        except Exception:  # noqa: BLE001
+            log.exception("%s failed; the KV index may be out of date", what)
+
+    async def stats(self, worker: Worker, timeout: float = 10.0) -> dict:
+        future = worker.replies.setdefault("stats", asyncio.get_running_loop().create_future())
+        await worker.sock.send_json({"type": "stats"})
+        return (await asyncio.wait_for(asyncio.shield(future), timeout))["stats"]
+
+    async def stop(self) -> None:
+        for rid, queue in list(self.queues.items()):  # still open after uvicorn's graceful wait: fail, never drop
+            queue.put_nowait({"type": "error", "request_id": rid, "message": "the router is shutting down"})
+        await asyncio.sleep(0)
+        for task in self.tasks:
+            task.cancel()
+        for w in self.workers.values():
+            w.sock.close(0)
+        self.sub.close(0)
+
+
+def create_app(
+    replicas: list[str],
+    tokenizer,
+    *,
+    policy: str = "cache_aware",
+    policy_options: dict | None = None,
+    model_name: str = "tiny-target",
+    render_chat=None,
+    eos_token_id: int | None = None,
+    request_timeout: float = 60.0,
+    drop_events: float = 0.0,
+    seed: int = 0,
+) -> FastAPI:
+    """The FastAPI app of a router over `replicas` (zmq addresses of replica.py's ROUTER sockets).
+
+    tokenizer: a tokenizers.Tokenizer; render_chat: turns -> prompt (chat_template(folder));
+    eos_token_id: a stop token unless a request sets ignore_eos; request_timeout: seconds without a token
+    before a request fails with 504; drop_events: the fraction of KV events to drop (a lossy network).
+    """
+    ctx = zmq.asyncio.Context.instance()
+    fleet = RouterState(replicas, policy, policy_options, drop_events, seed, ctx)
+    render_chat = render_chat or plain_chat
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await fleet.start()
+        yield
+        await fleet.stop()
+
+    app = FastAPI(title="stage07 fleet router", lifespan=lifespan)
+    app.state.fleet = fleet
+
+    async def read_body(request: Request, schema):
+        try:
+            return schema.model_validate(json.loads(await request.body()))
+        except ValidationError as e:
+            first = e.errors()[0]
+            name = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("str", "list[")))
+            if first["type"] == "extra_forbidden":
+                return error(400, f"{name}: this router does not implement this field; leave it out", name)
+            return error(400, f"{name}: {first['msg']}", name or None)
+        except ValueError as e:
+            return error(400, f"the body is not valid JSON: {e}")
+
+    async def create(request: Request, chat: bool) -> Response:
+        req = await read_body(request, ChatCompletion if chat else Completion)
+        if isinstance(req, Response):
+            return req
+        param = "messages" if chat else "prompt"
+        if chat:
+            try:
+                text = render_chat([m.model_dump() for m in req.messages])
+            except (TemplateError, ValueError) as e:
+                return error(400, f"the chat template refused the messages: {e}", param)
+            ids = tokenizer.encode(text).ids
+        elif isinstance(req.prompt, str):
+            ids = tokenizer.encode(req.prompt).ids
+        else:
+            ids = req.prompt
+            vocab = fleet.vocab_size
+            if max(ids) >= vocab:
+                return error(400, f"prompt: token id {max(ids)} is outside the vocabulary of {vocab} tokens", param)
+        if not ids:
+            return error(400, f"the {param} is empty after tokenizing", param)
+        if len(ids) + req.max_tokens > fleet.max_len:
+            return error(
+                400,
+                f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the {fleet.max_len} tokens a "
+                "replica holds; shorten the prompt or lower max_tokens",
+                param,
+            )
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        routed = RoutedRequest(rid, ids, req.user, req.max_tokens, page_hashes(ids, fleet.page_size))
+        workers = list(fleet.workers.values())
+        worker = workers[fleet.policy.choose(routed, [w.state for w in workers])]
+        fleet.policy.on_dispatch(routed, worker.state)
+        worker.state.outstanding += 1
+        worker.state.active_tokens += len(ids) + req.max_tokens
+        queue = fleet.queues[rid] = asyncio.Queue()
+        stop = [] if req.ignore_eos or eos_token_id is None else [eos_token_id]
+        await worker.sock.send_json(
+            {"type": "generate", "request_id": rid, "prompt": ids, "max_tokens": req.max_tokens,
+             "temperature": req.temperature, "seed": req.seed, "stop_token_ids": stop}
+        )  # fmt: skip
+
+        def done() -> None:
+            """The request ended (finished, failed, or its client left): the router's books close once."""
+            if fleet.queues.pop(rid, None) is not None:
+                worker.state.outstanding -= 1
+                worker.state.active_tokens -= len(ids) + req.max_tokens
+                fleet.policy.on_finish(routed, worker.state)
+
+        ended = []  # non-empty once the replica has finished (or refused) the request
+
+        async def abort() -> None:
+            """Free the request's slots on its replica, unless it already ended there."""
+            if not ended:
+                ended.append(True)
+                await worker.sock.send_json({"type": "abort", "request_id": rid})
+
+        body = dict(id=rid, created=int(time.time()), model=req.model or model_name)
+        if req.stream:
+            return StreamingResponse(stream(queue, body, chat, ended, done, abort), media_type="text/event-stream")
+        try:
+            last = await until_disconnected(request, final(queue))
+            if last is not None and last.get("status") != 504:
+                ended.append(True)  # finished or refused on the replica: nothing to abort
+        finally:
+            await abort()
+            done()
+        if last is None:
+            return Response(status_code=499)  # the client has gone; nobody reads this
+        if last["type"] == "error":
+            return error(last.get("status", 400), last["message"])
+        tokens = last["tokens"]
+        text = tokenizer.decode(tokens)
+        choice = {"index": 0, "finish_reason": last["finish_reason"], "logprobs": None}
+        choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+        usage = {"prompt_tokens": len(ids), "completion_tokens": len(tokens), "total_tokens": len(ids) + len(tokens)}
+        kind = "chat.completion" if chat else "text_completion"
+        return JSONResponse({**body, "object": kind, "choices": [choice], "usage": usage})
+
+    async def next_message(queue: asyncio.Queue) -> dict:
+        try:
+            return await asyncio.wait_for(queue.get(), request_timeout)
+        except TimeoutError:
+            return {"type": "error", "status": 504, "message": f"no token from the replica for {request_timeout} s"}
+
+    async def final(queue: asyncio.Queue) -> dict:
+        tokens = []
+        while True:
+            msg = await next_message(queue)
+            if msg["type"] == "error":
+                return msg
+            if msg["token_id"] is not None:
+                tokens.append(msg["token_id"])
+            if msg["finished"]:
+                return {**msg, "tokens": tokens}
+
+    async def stream(queue, body, chat, ended, done, abort):
+        """SSE chunks of the new text as tokens arrive; closing it (the client left) aborts the request."""
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        sent, tokens = "", []
+        try:
+            while True:
+                msg = await next_message(queue)
+                if msg["type"] == "error":
+                    if msg.get("status") != 504:
+                        ended.append(True)
+                    status = msg.get("status", 500)
+                    yield sse({"error": {"message": msg["message"], "type": "server_error", "code": status}})
+                    break
+                if msg["token_id"] is not None:
+                    tokens.append(msg["token_id"])
+                text = tokenizer.decode(tokens)
+                if text.endswith("\ufffd") and not msg["finished"]:
+                    continue  # half a UTF-8 character: wait for the rest
+                delta, sent = text[len(sent) :], text
+                choice = {"index": 0, "finish_reason": msg["finish_reason"], "logprobs": None}
+                choice |= {"delta": {"role": "assistant", "content": delta}} if chat else {"text": delta}
+                if msg["finished"]:
+                    ended.append(True)
+                yield sse({**body, "object": kind, "choices": [choice]})
+                if msg["finished"]:
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            await abort()
+            done()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await create(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await create(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "course"}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "replicas": len(fleet.workers)}
+
+    @app.get("/fleet/stats")
+    async def fleet_stats():
+        out = []
+        for name, w in fleet.workers.items():
+            s = w.state
+            out.append(
+                {"name": name, "address": w.address, "outstanding": s.outstanding, "active_tokens": s.active_tokens,
+                 "engine": await fleet.stats(w), "index_blocks": len(fleet.index.blocks.get(name, ())),
+                 "index_seq": fleet.index.seq.get(name, 0), "index_stale": name in fleet.index.needs_snapshot()}
+            )  # fmt: skip
+        return {"policy": fleet.policy.name, "dropped_events": fleet.dropped, "workers": out}
+
+    return app
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+async def until_disconnected(request: Request, work):
+    """Await `work`, or cancel it and return None when the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else None
+
+
+def main(argv=None) -> None:
+    from labkit import checkpoint
+
+    ap = argparse.ArgumentParser(description="The fleet's OpenAI-compatible router over running replicas.")
+    ap.add_argument("--replica", action="append", required=True, help="a replica's zmq address (repeat)")
+    ap.add_argument("--policy", default="cache_aware", choices=sorted(POLICIES))
+    ap.add_argument("--model", default=None, help="the folder of the replicas' model, for its tokenizer")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    args = ap.parse_args(argv)
+    import uvicorn
+
+    folder = args.model or checkpoint.model_folder()
+    config = checkpoint.read_config(folder)
+    app = create_app(
+        args.replica, checkpoint.load_tokenizer(folder), policy=args.policy, render_chat=chat_template(folder),
+        eos_token_id=config.get("eos_token_id"), model_name=Path(folder).name,
+    )  # fmt: skip
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

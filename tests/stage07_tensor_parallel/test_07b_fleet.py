@@ -1,0 +1,212 @@
+"""§3 of lab3.ipynb: a fleet of two replica processes behind the router, started once for this file.
+References: labkit.model's Llama decoding greedily without a cache (the slow obvious version) for the
+outputs, the replicas' own counters for prefill and slots, and the replicas' own snapshots for the KV
+index."""
+
+import concurrent.futures
+import json
+import random
+import time
+
+import httpx
+import pytest
+import torch
+
+import labkit
+from labkit import checkpoint
+from labkit.device import pin_threads
+from labkit.model import from_pretrained
+
+pytestmark = [pytest.mark.dist, pytest.mark.in_process("the test reads the router's state in this process")]
+
+FLEET = "stage07_tensor_parallel.fleet"
+PAGE = 4
+VOCAB = checkpoint.load_tokenizer(labkit.TARGET).get_vocab_size()  # prompts that decode to text
+MODEL_VOCAB = checkpoint.read_config(labkit.TARGET)["vocab_size"]  # larger than the tokenizer's
+
+
+@pytest.fixture(scope="module")
+def fleet(impl):
+    mod = impl(FLEET)
+    with mod.Fleet(labkit.TARGET, replicas=2, policy="cache_aware", num_slots=384, page_size=PAGE) as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def model():
+    return from_pretrained(labkit.TARGET).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return checkpoint.load_tokenizer(labkit.TARGET)
+
+
+@torch.no_grad()
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = list(prompt)
+    with pin_threads(1):  # the replicas use the other core
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def post(fleet, path, body, timeout=60.0):
+    return httpx.post(fleet.url + path, json=body, timeout=timeout)
+
+
+def streamed(fleet, path, body) -> str:
+    text = ""
+    with httpx.stream("POST", fleet.url + path, json={**body, "stream": True}, timeout=60.0) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                c = chunk["choices"][0]
+                text += c["delta"]["content"] if "delta" in c else c["text"]
+    return text
+
+
+def set_policy(fleet, impl, name, **options):
+    router = fleet.router
+    router.policy = impl("stage07_tensor_parallel.router").make_policy(name, router.index, router.page_size, **options)
+
+
+def test_greedy_through_the_router_equals_the_model(fleet, impl, model, tokenizer):
+    """Eight requests at once, half streamed, spread over both replicas by the policy."""
+    seed = 3
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(5, 30))] for _ in range(8)]
+    n = 10
+    want = [tokenizer.decode(greedy(model, p, n)) for p in prompts]
+
+    def ask(i):
+        body = {"prompt": prompts[i], "max_tokens": n, "temperature": 0, "ignore_eos": True}
+        if i % 2:
+            return streamed(fleet, "/v1/completions", body)
+        r = post(fleet, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, range(8)))
+    for i in range(8):
+        assert got[i] == want[i], (
+            f"seed={seed}, prompt {i} ({'streamed' if i % 2 else 'whole'}): {got[i]!r} != {want[i]!r}"
+        )
+    chat = [{"role": "user", "content": "Tell me a story about a cat."}]
+    ids = tokenizer.encode("user: Tell me a story about a cat.\nassistant:").ids  # the tiny target has no template
+    body = {"messages": chat, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+    assert streamed(fleet, "/v1/chat/completions", body) == tokenizer.decode(greedy(model, ids, n)), "streamed chat"
+
+
+def prefill_computed(fleet) -> int:
+    return sum(s["prefill_tokens_computed"] for s in fleet.wait_idle())
+
+
+@pytest.mark.parametrize("seed", [5])
+def test_cache_aware_computes_less_prefill_than_round_robin(fleet, impl, seed):
+    """Three shared system prompts (40 tokens), four questions each, sent one after another: round-robin
+    computes each system prompt on both replicas, cache-aware on one."""
+    rng = random.Random(seed)
+    computed = {}
+    for policy in ("round_robin", "cache_aware"):
+        set_policy(fleet, impl, policy)
+        systems = [[rng.randrange(3, VOCAB) for _ in range(40)] for _ in range(3)]
+        before = prefill_computed(fleet)
+        for k in range(12):
+            prompt = systems[k % 3] + [rng.randrange(3, VOCAB) for _ in range(6)]
+            r = post(fleet, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+        computed[policy] = prefill_computed(fleet) - before
+    set_policy(fleet, impl, "cache_aware")
+    assert computed["cache_aware"] < computed["round_robin"], f"seed={seed}: prefill tokens computed {computed}"
+    # each system prompt's 40 tokens are computed once under cache-aware, twice under round-robin
+    assert computed["round_robin"] - computed["cache_aware"] >= 3 * 40 - 3 * PAGE, f"seed={seed}: {computed}"
+
+
+def test_no_slot_in_use_after_every_client_has_gone(fleet, impl):
+    """Clients that finish, and clients that leave mid-stream or before a whole reply, at once."""
+    set_policy(fleet, impl, "least_outstanding")
+    rng = random.Random(11)
+
+    def leave_mid_stream(i):
+        body = {"prompt": [rng.randrange(3, VOCAB) for _ in range(20)], "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", fleet.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=60) as r:
+            for k, _ in enumerate(r.iter_lines()):
+                if k >= 4:
+                    return "left"
+        return "done"
+
+    def leave_early(i):
+        body = {"prompt": [rng.randrange(3, VOCAB) for _ in range(20)], "max_tokens": 200, "ignore_eos": True}
+        try:
+            post(fleet, "/v1/completions", body, timeout=0.5)
+        except httpx.TimeoutException:
+            return "left"
+        return "done"
+
+    def finish(i):
+        return post(fleet, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5}).status_code
+
+    jobs = [leave_mid_stream] * 3 + [leave_early] * 3 + [finish] * 2
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(lambda j: j[1](j[0]), enumerate(jobs)))
+    assert results[-2:] == [200, 200], results
+    stats = fleet.wait_idle()
+    set_policy(fleet, impl, "cache_aware")
+    assert all(s["slots_in_use"] == 0 and s["num_running"] == 0 for s in stats), f"after every client left: {stats}"
+    books = [(w.state.outstanding, w.state.active_tokens) for w in fleet.router.workers.values()]
+    assert books == [(0, 0)] * len(books), f"the router still counts (outstanding, active tokens) {books}"
+
+
+BAD = [
+    ({"prompt": "hi", "top_p": 0.5}, "top_p"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [5, MODEL_VOCAB]}, "prompt"),
+    ({"prompt": [1] * 400, "max_tokens": 10}, "prompt"),
+    ({"prompt": "hi", "temperature": 3}, "temperature"),
+    ({"max_tokens": 3}, "prompt"),
+]
+
+
+def test_bad_input_gets_400_and_the_fleet_serves_on(fleet):
+    for body, param in BAD:
+        r = post(fleet, "/v1/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, f"{body}: {r.status_code} {r.text}"
+    r = httpx.post(fleet.url + "/v1/completions", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"], r.text
+    r = post(fleet, "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages"), r.text
+    r = post(fleet, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3})
+    assert r.status_code == 200, f"a good request after the bad ones: {r.status_code} {r.text}"
+
+
+def test_the_kv_index_resyncs_after_dropped_events(fleet, impl):
+    """Half the KV events (and heartbeats) are lost on the way; kv_aware routes meanwhile. Once the replicas
+    are idle, the router's index must equal each replica's own snapshot."""
+    router = fleet.router
+    set_policy(fleet, impl, "kv_aware")
+    router.drop_events = 0.5
+    rng = random.Random(13)
+    systems = [[rng.randrange(3, VOCAB) for _ in range(24)] for _ in range(4)]
+    try:
+        for _ in range(16):
+            prompt = rng.choice(systems) + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 12))]
+            r = post(fleet, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200, r.text
+        fleet.wait_idle()
+        assert router.dropped > 0, "no event was dropped: the test did not test anything"
+        deadline, diff = time.monotonic() + 10, None
+        while time.monotonic() < deadline:
+            truth = {f"w{i}": set(fleet.ask(i, {"type": "snapshot"})["block_hashes"]) for i in range(2)}
+            held = {name: set(router.index.blocks.get(name, ())) for name in truth}
+            diff = {name: (len(held[name] - truth[name]), len(truth[name] - held[name])) for name in truth}
+            if held == truth and not router.index.needs_snapshot():
+                break
+            time.sleep(0.2)
+        assert held == truth, f"(extra, missing) hashes per worker after resync: {diff}"
+    finally:
+        router.drop_events = 0.0
+        set_policy(fleet, impl, "cache_aware")
