@@ -7,6 +7,7 @@ KV events, replayed, give the pages the cache holds after every step; bad reques
 import random
 
 import pytest
+import torch
 
 from labkit.device import pin_threads
 from labkit.testing import LLAMA_CONFIGS, random_labkit_llama
@@ -236,3 +237,26 @@ def test_bad_requests_are_refused_while_serving(impl, models):
         mod.ReplicaEngine(model, prefix_cache="lru")
     out = drive(engine, mod, [])
     assert first + out["good"] == greedy(model, good.prompt, 6), "the running request was disturbed by refused ones"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sampling_follows_each_requests_own_seeded_generator(impl, models, seed):
+    """Temperature sampling draws from softmax(logits / T) with a generator seeded per request, so a
+    request's tokens do not depend on its neighbours or on what was cached."""
+    mod = impl(ENGINE)
+    model = models("mqa-odd", 1)
+    prompts = shared_prefix_prompts(seed, 4, 10)
+    reqs = [
+        mod.EngineRequest(f"r{i}", p, 6, temperature=0.5 + 0.4 * i, seed=seed * 10 + i) for i, p in enumerate(prompts)
+    ]
+    engine = mod.ReplicaEngine(model, num_slots=512, page_size=1, max_num_seqs=2)
+    drive(engine, mod, reqs[:1])  # the others find its prefix cached
+    out = drive(engine, mod, reqs[1:])
+    assert engine.stats["cached_tokens"] > 0, f"seed={seed}: nothing was served from the cache"
+    for r in reqs[1:]:
+        g, tokens = torch.Generator().manual_seed(r.seed), list(r.prompt)
+        for _ in range(r.max_tokens):
+            with torch.no_grad():
+                logits = model(torch.tensor([tokens]))[0, -1].float()
+            tokens.append(int(torch.multinomial(torch.softmax(logits / r.temperature, -1), 1, generator=g)))
+        assert out[r.request_id] == tokens[len(r.prompt) :], f"seed={seed}: {r.request_id}'s samples differ"
