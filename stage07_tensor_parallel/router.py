@@ -120,6 +120,7 @@ class Worker:
     state: WorkerState
     page_size: int = 16
     max_len: int = 0
+    served: int = 0  # requests routed to it since the router started
     replies: dict[str, asyncio.Future] = field(default_factory=dict)  # "stats" -> the pending reply
 
 
@@ -305,6 +306,7 @@ def create_app(
         worker = workers[fleet.policy.choose(routed, [w.state for w in workers])]
         fleet.policy.on_dispatch(routed, worker.state)
         worker.state.outstanding += 1
+        worker.served += 1
         worker.state.active_tokens += len(ids) + req.max_tokens
         queue = fleet.queues[rid] = asyncio.Queue()
         stop = [] if req.ignore_eos or eos_token_id is None else [eos_token_id]
@@ -420,7 +422,7 @@ def create_app(
         for name, w in fleet.workers.items():
             s = w.state
             out.append(
-                {"name": name, "address": w.address, "outstanding": s.outstanding, "active_tokens": s.active_tokens,
+                {"name": name, "address": w.address, "served": w.served, "outstanding": s.outstanding, "active_tokens": s.active_tokens,
                  "engine": await fleet.stats(w), "index_blocks": len(fleet.index.blocks.get(name, ())),
                  "index_seq": fleet.index.seq.get(name, 0), "index_stale": name in fleet.index.needs_snapshot()}
             )  # fmt: skip
