@@ -26,8 +26,11 @@ Decode reads every weight once per token, so at batch 1 fewer bytes per weight i
 `weights="int8"` (one scale per output row) and `weights="int4"` (a scale and a zero per group of
 `group_size` inputs, as llama.cpp's Q4_1 blocks of 32) quantize the snapshot, LM head included,
 round to nearest, and run PyTorch's packed CPU kernels (aten._weight_int8pack_mm and
-_weight_int4pack_mm_for_cpu), which dequantize inside the matmul: the activations stay float32.
-Compiled, the int8 step instead multiplies the codes in a loop inductor fuses, which streams them.
+_weight_int4pack_mm_for_cpu), which dequantize inside the matmul. Compiled, the int8 step instead
+multiplies the codes in a loop inductor fuses, which streams them. The int4 kernel streams its
+codes when the activations are bfloat16 (it rounds them, and its outputs, to bfloat16; the
+accumulation stays float32): the same loop written for inductor (unpack two codes per byte, scale,
+multiply) measured 1.5-2x slower, bound by the instructions that turn each code into a float.
 
 make bench STAGE=decode compares it with the eager model, Hugging Face and llama.cpp.
 """
@@ -48,15 +51,25 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, in) float -> (packed codes, scales and zeros (in / group_size, out, 2)), the layout of
-    aten._weight_int4pack_mm_for_cpu, which computes w ~ (code - 8) * scale + zero per group."""
+    """(out, in) float -> (packed codes, scales and midpoints (in / group_size, out, 2) bfloat16), the layout of
+    aten._weight_int4pack_mm_for_cpu, which computes w ~ (code - 8) * scale + midpoint per group. The grid
+    spans each group's [min, max] in 15 steps (Q4_1's d * q + m), rounded to bfloat16 before the codes are
+    chosen, so each weight gets the nearest point of the grid the kernel reads."""
     out, inp = w.shape
     groups = w.reshape(out, inp // group_size, group_size)
     lo, hi = groups.amin(-1), groups.amax(-1)
-    scales = (hi - lo).clamp(min=1e-12) / 15  # codes 0..15 span [lo, hi], as Q4_1's d * q + m
-    codes = torch.round((groups - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(out, inp), 1)
-    return packed, torch.stack([scales, lo + 8 * scales], -1).transpose(0, 1).contiguous()
+    scales = ((hi - lo).clamp(min=1e-12) / 15).bfloat16()
+    mids = (lo + 8 * scales.float()).bfloat16()
+    codes = torch.round((groups - mids.float()[..., None]) / scales.float()[..., None] + 8).clamp(0, 15)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).view(out, inp), 1)
+    return packed, torch.stack([scales, mids], -1).transpose(0, 1).contiguous()
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_mids: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x (B, in) float32 times quantize_int4's weights -> (B, out) float32. The kernel reads bfloat16
+    activations and writes bfloat16: with float32 ones it takes a path that ran 27x slower here
+    (49 vs 1.8 ms for SmolLM2's 49,152 x 576 LM head, one thread, one process)."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, group_size, scales_and_mids).float()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -148,7 +161,7 @@ class StaticDecoder:
         elif self.weights == "int8":
             y = torch.ops.aten._weight_int8pack_mm(flat, *w)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, w[0], self.group_size, w[1])
+            y = int4_matmul(flat, *w, self.group_size)
         return y.view(*x.shape[:-1], -1)
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, window: int) -> torch.Tensor:

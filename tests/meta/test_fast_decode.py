@@ -7,7 +7,7 @@ import torch
 
 from labkit import TARGET, checkpoint
 from labkit.device import has_gpu
-from labkit.fast_decode import StaticDecoder
+from labkit.fast_decode import StaticDecoder, int4_matmul, quantize_int4
 from labkit.model import Config, Llama, from_pretrained, init_weights
 from labkit.testing import LLAMA_CONFIGS, labkit_from_hf, random_llama, random_tokens, real_ids, real_labkit
 
@@ -50,9 +50,11 @@ def test_compiled_step_equals_the_model():
 
 
 @pytest.mark.slow
-def test_compiled_int8_step_equals_the_packed_kernel():
-    """The compiled int8 step multiplies the codes in a fused loop instead of the packed kernel: same logits."""
-    config = {**LLAMA_CONFIGS["gqa4-3layers"], "num_hidden_layers": 1}
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_compiled_quantized_step_equals_the_eager_one(weights):
+    """Compiled, int8 multiplies the codes in a fused loop instead of the packed kernel, and int4's kernel
+    sits among inductor's fused loops: the eager step's logits either way."""
+    config = {**LLAMA_CONFIGS["gqa4-3layers"], "num_hidden_layers": 1, "vocab_size": 112}  # int4: 16-row tiles
     model = labkit_from_hf(random_llama(seed=7, **config))
     ids = random_tokens(7, 10, model.config.vocab_size, 2)
     logits = []
@@ -60,9 +62,10 @@ def test_compiled_int8_step_equals_the_packed_kernel():
         cache = model.new_cache(2, 16)
         with torch.no_grad():
             model(ids[:, :6], cache)
-            decoder = StaticDecoder(model, cache, backend, window=8, weights="int8")
+            decoder = StaticDecoder(model, cache, backend, window=8, weights=weights)
             logits.append(torch.cat([decoder(ids[:, t : t + 1]) for t in range(6, 10)], 1))
-    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4, msg="seed=7: compiled int8 step")
+    tol = 1e-4 if weights == "int8" else 2**-7  # int4: one bfloat16 rounding
+    torch.testing.assert_close(logits[1], logits[0], atol=tol, rtol=tol, msg=f"seed=7: compiled {weights} step")
 
 
 @pytest.mark.gpu
@@ -73,37 +76,61 @@ def test_cuda_graph_step_equals_the_model():
 
 
 def rtn(w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """w rounded to nearest and dequantized with plain torch ops: int8 symmetric per output row,
-    int4 from each group's min to its max in 15 steps."""
+    """w rounded to nearest and dequantized with plain torch ops: int8 symmetric per output row; int4 on
+    each group's grid from its min to its max in 15 steps, the step and the grid's midpoint (step 8)
+    stored in bfloat16 as the packed kernel reads them."""
     if bits == 8:
         scale = w.abs().max(dim=1, keepdim=True).values / 127
         return (w / scale).round().clamp(-127, 127) * scale
     g = w.reshape(w.shape[0], -1, group_size)
     lo, hi = g.min(-1, keepdim=True).values, g.max(-1, keepdim=True).values
-    scale = (hi - lo) / 15
-    return (((g - lo) / scale).round().clamp(0, 15) * scale + lo).reshape(w.shape)
+    step = ((hi - lo) / 15).to(torch.bfloat16).float()
+    mid = (lo + 8 * step).to(torch.bfloat16).float()
+    return ((((g - mid) / step).round().clamp(-8, 7)) * step + mid).reshape(w.shape)
 
 
 def rtn_model(model: Llama, bits: int, group_size: int = 32) -> Llama:
-    """A copy of model with every matrix and the LM head through rtn(); the embedding stays float."""
+    """A copy of model with every matrix and the LM head through rtn(); the embedding stays float. At 4 bits
+    each of them also rounds its input and its output to bfloat16, as the packed int4 kernel does."""
     model = copy.deepcopy(model)
     with torch.no_grad():
-        for linear in [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]:
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())  # unties
+        for linear in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
             linear.weight.copy_(rtn(linear.weight, bits, group_size))
-        model.lm_head.weight = torch.nn.Parameter(rtn(model.lm_head.weight, bits, group_size))  # unties
+            if bits == 4:
+                linear.register_forward_pre_hook(lambda _, args: (args[0].bfloat16().float(),))
+                linear.register_forward_hook(lambda _, args, out: out.bfloat16().float())
     return model
 
 
 def quantized_logits(model: Llama, weights: str, ids: torch.Tensor, prompt: int) -> tuple[torch.Tensor, ...]:
-    """Steps after a float prefill: (StaticDecoder's logits, the dequantized model's, the float model's)."""
-    logits = []
-    for run, w in ((model, weights), (rtn_model(model, int(weights[3:])), "fp32"), (model, "fp32")):
-        cache = run.new_cache(ids.shape[0], 64)
+    """Steps after a float prefill: (StaticDecoder's logits, the dequantized model's, the float model's);
+    the last two run model(ids, cache), whose Linear modules the hooks of rtn_model see."""
+    dequantized, logits = rtn_model(model, int(weights[3:])), []
+    for run in (None, dequantized, model):
+        cache = model.new_cache(ids.shape[0], 64)
         with torch.no_grad():
             model(ids[:, :prompt], cache)  # the float prefill, as in use
-            decoder = StaticDecoder(run, cache, "eager", window=16, weights=w)
-            logits.append(torch.cat([decoder(ids[:, t : t + 1]) for t in range(prompt, ids.shape[1])], 1))
+            decoder = StaticDecoder(model, cache, "eager", window=16, weights=weights) if run is None else None
+            steps = [ids[:, t : t + 1] for t in range(prompt, ids.shape[1])]
+            logits.append(torch.cat([decoder(i) if decoder else run(i, cache) for i in steps], 1))
     return tuple(logits)
+
+
+def check_quantized(got: torch.Tensor, want: torch.Tensor, fp32: torch.Tensor, weights: str, where: str) -> None:
+    """got (the kernels) equals want (the dequantized weights), and want is not the float model's fp32.
+
+    int8 keeps float32 activations: equal to 2e-3 of the largest logit. int4 rounds the activations
+    and outputs of every matmul to bfloat16, as want does: within one bfloat16 rounding (2^-7
+    relative) of each logit, a bound most of the float model's logits break."""
+    if weights == "int8":
+        err, quant_err = (got - want).abs().max().item(), (fp32 - want).abs().max().item()
+        assert err < 2e-3 * want.abs().max().item(), f"{where} int8: max |packed - dequantized| {err:.2e}"
+        assert quant_err > 20 * err, f"{where} int8: the step barely differs from fp32 ({quant_err:.2e})"
+        return
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7, msg=f"{where} int4: packed vs dequantized logits")
+    outside = ((fp32 - want).abs() > 2**-7 * (1 + want.abs())).float().mean().item()
+    assert outside > 0.1, f"{where} int4: only {outside:.1%} of the float model's logits differ from the dequantized"
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
@@ -112,9 +139,22 @@ def test_quantized_step_equals_dequantized_weights_on_the_target(weights):
     seed = 11
     model = from_pretrained(TARGET).eval()
     got, want, fp32 = quantized_logits(model, weights, random_tokens(seed, 14, model.config.vocab_size, 2), 6)
-    err, quant_err = (got - want).abs().max().item(), (fp32 - want).abs().max().item()
-    assert err < 2e-3 * want.abs().max().item(), f"seed={seed} {weights}: max |packed - dequantized| {err:.2e}"
-    assert quant_err > 20 * err, f"seed={seed} {weights}: the step barely differs from fp32 ({quant_err:.2e})"
+    check_quantized(got, want, fp32, weights, f"seed={seed}")
+    assert (got.argmax(-1) == want.argmax(-1)).all(), f"seed={seed} {weights}: greedy tokens differ from dequantized"
+
+
+@pytest.mark.parametrize(("out", "inp", "group_size"), [(48, 96, 32), (80, 160, 32), (112, 320, 64)])
+def test_int4_matmul_equals_dequantized_weights(out, inp, group_size):
+    """Odd numbers of groups and of the kernel's 16-row tiles, three activation rows."""
+    seed = out + inp
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=gen) * torch.rand(out, 1, generator=gen)  # rows of different ranges
+    x = torch.randn(3, inp, generator=gen)
+    got = int4_matmul(x, *quantize_int4(w, group_size), group_size)
+    want = (x.bfloat16().float() @ rtn(w, 4, group_size).T).bfloat16().float()
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-5, msg=f"seed={seed} ({out}, {inp}) g{group_size}")
+    float_err = ((x @ w.T) - want).abs() > 2**-7 * want.abs() + 1e-5
+    assert float_err.float().mean() > 0.5, f"seed={seed}: the float weights' product is within rounding of int4's"
 
 
 @pytest.mark.real
@@ -123,9 +163,11 @@ def test_quantized_step_equals_dequantized_weights_on_the_target(weights):
 def test_quantized_step_on_the_real_model(weights):
     model = real_labkit()
     got, want, fp32 = quantized_logits(model, weights, real_ids(12)[None], 8)
-    err, quant_err = (got - want).abs().max().item(), (fp32 - want).abs().max().item()
-    assert err < 2e-3 * want.abs().max().item(), f"REAL_TEXT {weights}: max |packed - dequantized| {err:.2e}"
-    assert quant_err > 20 * err, f"REAL_TEXT {weights}: the step barely differs from fp32 ({quant_err:.2e})"
+    if weights == "int8":
+        check_quantized(got, want, fp32, weights, "REAL_TEXT")
+    else:  # 30 layers of bfloat16 roundings that fall apart where float32 sums differ in their last bit
+        err, quant_err = (got - want).abs().mean().item(), (fp32 - want).abs().mean().item()
+        assert err < quant_err / 4, f"REAL_TEXT int4: mean |packed - dequantized| {err:.3f}, vs fp32 {quant_err:.3f}"
     assert (got.argmax(-1) == want.argmax(-1)).all(), f"REAL_TEXT {weights}: greedy tokens differ from dequantized"
 
 
