@@ -55,11 +55,17 @@ class Fleet:
 
     def start_replicas(self) -> None:
         package = __name__.rsplit(".", 1)[0]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        # the folder this package was imported from (the course, or a copy holding a submission), and labkit's
+        base = Path(sys.modules[package.split(".")[0]].__file__).parent.parent
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(dict.fromkeys([str(base), str(ROOT)])),
+        }
         for i in range(self.n):
             cmd = [sys.executable, "-m", f"{package}.replica", "--model", str(self.folder), "--name", f"w{i}",
                    "--engine", json.dumps(self.engine_settings), "--parent-pid", str(os.getpid())]  # fmt: skip
-            self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True, cwd=ROOT))
+            self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True, cwd=base))
         for proc in self.procs:  # each prints its ports once its model is loaded
             line = self._first_line(proc)
             self.addresses.append(f"tcp://127.0.0.1:{json.loads(line)['port']}")

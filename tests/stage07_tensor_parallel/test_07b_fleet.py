@@ -6,6 +6,7 @@ index."""
 import concurrent.futures
 import json
 import random
+import threading
 import time
 
 import httpx
@@ -16,6 +17,7 @@ import labkit
 from labkit import checkpoint
 from labkit.device import pin_threads
 from labkit.model import from_pretrained
+from labkit.serving import serving
 
 pytestmark = [pytest.mark.dist, pytest.mark.in_process("the test reads the router's state in this process")]
 
@@ -210,3 +212,51 @@ def test_the_kv_index_resyncs_after_dropped_events(fleet, impl):
     finally:
         router.drop_events = 0.0
         set_policy(fleet, impl, "cache_aware")
+
+
+def test_a_router_restart_loses_no_request_and_resyncs_its_index(fleet, impl, tokenizer):
+    """A second router over the same replicas is stopped while a stream runs: the stream still ends with
+    its last token (or an error event), never cut. A third router, new, holds the replicas' caches in its
+    index from their snapshots before any event reaches it."""
+    router_mod = impl("stage07_tensor_parallel.router")
+
+    def router():
+        return router_mod.create_app(fleet.addresses, tokenizer, policy="kv_aware", eos_token_id=None)
+
+    seed, n = 17, 40
+    rng = random.Random(seed)
+    events, first = [], threading.Event()
+
+    def client(url):
+        body = {"prompt": [rng.randrange(3, VOCAB) for _ in range(12)], "max_tokens": n, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first.set()
+
+    with serving(router()) as url:
+        thread = threading.Thread(target=client, args=(url,))
+        thread.start()
+        assert first.wait(30), "no first chunk within 30 s"
+    thread.join(30)
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events and events[-1] == "[DONE]", f"seed={seed}: the stream was cut after {len(events)} events"
+    errors = [c for c in chunks if "error" in c]
+    finished = [c for c in chunks if "choices" in c and c["choices"][0]["finish_reason"] == "length"]
+    assert errors or finished, f"seed={seed}: the stream ended with neither its last token nor an error"
+    assert all(s["slots_in_use"] == 0 for s in fleet.wait_idle()), "a slot is still in use after the restart"
+
+    app = router()
+    with serving(app):
+        deadline, state = time.monotonic() + 10, app.state.fleet
+        while time.monotonic() < deadline:
+            truth = {f"w{i}": set(fleet.ask(i, {"type": "snapshot"})["block_hashes"]) for i in range(2)}
+            held = {name: set(state.index.blocks.get(name, ())) for name in truth}
+            if held == truth:
+                break
+            time.sleep(0.2)
+        assert all(truth.values()), "the replicas' caches are empty: the test did not test anything"
+        assert held == truth, (
+            f"a new router's index after its start: { ({k: len(v) for k, v in held.items()}) } pages, the replicas hold { ({k: len(v) for k, v in truth.items()}) }"
+        )
