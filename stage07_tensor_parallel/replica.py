@@ -13,7 +13,7 @@ ROUTER socket (a router's DEALER connects; replies go back to the socket that as
                                             or {"type": "error", "request_id", "message"} if the engine refuses it
     {"type": "abort", "request_id"}      frees the request's slots now; it ends with finish_reason "abort"
     {"type": "snapshot"}                 -> {"type": "snapshot", "worker", "seq", "block_hashes"}
-    {"type": "stats"}                    -> {"type": "stats", "worker", "stats": engine.stats}
+    {"type": "stats"}                    -> {"type": "stats", "worker", "stats": engine.stats + "finish_reasons"}
 
 PUB socket: KV events {"worker", "seq", "kind": "stored" | "removed", "block_hashes"}, seq 1, 2, 3, ...;
 and while idle, every HEARTBEAT_S, {"worker", "seq", "kind": "heartbeat"} with the last event's number, so a
@@ -27,6 +27,7 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 
 import torch
 import zmq
@@ -51,6 +52,7 @@ class Replica:
         self.pub_port = self._bind(self.pub, host, pub_port)
         self.seq = 0  # the number of the last KV event published
         self.owner: dict[str, bytes] = {}  # request id -> the identity of the socket that sent it
+        self.finish_reasons: Counter = Counter()  # how requests ended: stop, length, abort, error
         engine.on_kv_event = self.publish
 
     @staticmethod
@@ -94,7 +96,8 @@ class Replica:
             hashes = sorted(self.engine.cached_block_hashes())
             self.reply(identity, {"type": "snapshot", "worker": self.name, "seq": self.seq, "block_hashes": hashes})
         elif kind == "stats":
-            self.reply(identity, {"type": "stats", "worker": self.name, "stats": self.engine.stats})
+            stats = {**self.engine.stats, "finish_reasons": dict(self.finish_reasons)}
+            self.reply(identity, {"type": "stats", "worker": self.name, "stats": stats})
         elif kind == "hello":
             limit = min(self.engine.store.num_blocks, self.engine.model.config.max_position_embeddings)
             body = {"type": "hello", "worker": self.name, "pub_port": self.pub_port, "page_size": self.page_size}
@@ -114,6 +117,8 @@ class Replica:
             self.engine.step()  # reports the aborts, which nobody awaits any more
             return
         for out in outs:
+            if out.finished:
+                self.finish_reasons[out.finish_reason] += 1
             identity = self.owner.get(out.request_id)
             if identity is None:
                 continue  # aborted: its client has gone

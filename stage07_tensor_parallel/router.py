@@ -24,6 +24,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
@@ -100,7 +101,7 @@ def plain_chat(turns: list[dict]) -> str:
     return "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
 
 
-def chat_template(folder) -> "callable":
+def chat_template(folder) -> Callable[[list[dict]], str]:
     """messages -> prompt text: the checkpoint's chat_template (tokenizer_config.json) in a sandbox, else
     `role: content` lines ending in `assistant:`."""
     file = Path(folder) / "tokenizer_config.json"

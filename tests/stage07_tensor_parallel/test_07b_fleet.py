@@ -152,6 +152,10 @@ def test_no_slot_in_use_after_every_client_has_gone(fleet, impl):
     def finish(i):
         return post(fleet, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 5}).status_code
 
+    def aborted():
+        return sum(s["finish_reasons"].get("abort", 0) for s in fleet.wait_idle())
+
+    before = aborted()
     jobs = [leave_mid_stream] * 3 + [leave_early] * 3 + [finish] * 2
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda j: j[1](j[0]), enumerate(jobs)))
@@ -159,6 +163,8 @@ def test_no_slot_in_use_after_every_client_has_gone(fleet, impl):
     stats = fleet.wait_idle()
     set_policy(fleet, impl, "cache_aware")
     assert all(s["slots_in_use"] == 0 and s["num_running"] == 0 for s in stats), f"after every client left: {stats}"
+    left = results.count("left")
+    assert aborted() - before >= left, f"{left} clients left early, the replicas aborted {aborted() - before}"
     books = [(w.state.outstanding, w.state.active_tokens) for w in fleet.router.workers.values()]
     assert books == [(0, 0)] * len(books), f"the router still counts (outstanding, active tokens) {books}"
 
