@@ -4,6 +4,7 @@ compared with Hugging Face: its tokenizer's apply_chat_template for the prompt, 
 the answer."""
 
 import contextlib
+import functools
 
 import pytest
 
@@ -40,11 +41,16 @@ def chat(impl):
     return prompt_ids
 
 
-def hf_chat_ids(messages: list[dict]) -> list[int]:
-    """The prompt as transformers' tokenizer renders and encodes it (the independent reference)."""
+@functools.cache
+def hf_tokenizer():
     from transformers import AutoTokenizer
 
-    return list(AutoTokenizer.from_pretrained(require_real_model()).apply_chat_template(messages, add_generation_prompt=True)["input_ids"])  # fmt: skip
+    return AutoTokenizer.from_pretrained(require_real_model())
+
+
+def hf_chat_ids(messages: list[dict]) -> list[int]:
+    """The prompt as transformers' tokenizer renders and encodes it (the independent reference)."""
+    return list(hf_tokenizer().apply_chat_template(messages, add_generation_prompt=True)["input_ids"])
 
 
 def until_eos(tokens: list[int]) -> list[int]:
