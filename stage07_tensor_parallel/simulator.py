@@ -1,0 +1,244 @@
+"""A discrete-event simulator of a fleet of replica engines behind a router (lab4 §3).
+
+Two cores cannot run four replicas at once and show what a fleet does under load. This file replays
+instead: one engine step's cost is measured here (`measure_step_costs` times ReplicaEngine.step on
+this machine; `StepCost.fit` fits it), and `simulate` runs a trace through N simulated replicas whose
+scheduling copies replica_engine.ReplicaEngine: first come first served admission up to max_num_seqs,
+each running request's next chunk within max_num_batched_tokens (a prefill chunk, or one decode
+token), one padded forward per step. A routing policy from policies.py places every arrival, with the
+counters the router keeps. Prefix-cache hits are page-level and come from the trace's hash ids (its
+block size is the engine's page size): a replica holds the pages of the prompts it finished, LRU-bounded.
+
+What it leaves out, on purpose: preemption (the pool holds every running request), the generated
+tokens' pages (only prompts are cached), network and tokenizer time, and the router's own cost.
+"""
+
+import gc
+import heapq
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from labkit import paged
+
+from .loadgen import TraceRequest, prompt_tokens
+from .policies import Policy, RoutedRequest, WorkerState
+from .replica_engine import EngineRequest, ReplicaEngine, page_hashes
+
+
+@dataclass
+class StepCost:
+    """Seconds of one engine step over B sequences. labkit.paged.forward pads every chunk to the longest (T
+    tokens) and reads every sequence's keys up to the longest context (L), so a step costs about
+
+        base + per_sequence * B + per_token * B * T + per_key * B * L + per_score * B * T * L
+
+    fixed overhead, per-sequence bookkeeping and sampling, the weights' work on the padded tokens, the
+    gather of the paged keys and values, and the attention scores."""
+
+    base: float
+    per_sequence: float
+    per_token: float
+    per_key: float
+    per_score: float
+
+    def __call__(self, batch_size: int, tokens: int, context: int) -> float:
+        b, t, c = batch_size, tokens, context
+        return (
+            self.base
+            + self.per_sequence * b
+            + self.per_token * b * t
+            + self.per_key * b * c
+            + self.per_score * b * t * c
+        )
+
+    @classmethod
+    def fit(cls, samples: list[tuple[int, int, int, float]]) -> "StepCost":
+        """Non-negative least squares over (batch_size, tokens, context, seconds) samples, on relative error
+        (each row divided by its time), so short decode steps count as much as long prefills."""
+        from scipy.optimize import nnls
+
+        b, t, c, s = (np.array(x, dtype=np.float64) for x in zip(*samples, strict=True))
+        features = np.stack([np.ones_like(b), b, b * t, b * c, b * t * c], axis=1)  # the terms of __call__
+        coef, _ = nnls(features / s[:, None], np.ones_like(s))
+        return cls(*map(float, coef))
+
+
+def measure_step_costs(model, *, waves=(1, 2, 4, 8, 16), page_size: int = 16, seed: int = 0) -> list[tuple]:
+    """Time every step of a ReplicaEngine serving waves of trace requests (1, 2, 4, ... at once, so decode
+    batches, prefill chunks and mixes of both occur) on this machine: [(batch_size, tokens, context, seconds)].
+    The batch's shape is read by wrapping labkit.paged.forward for the duration."""
+    from .loadgen import conversation_trace
+
+    shapes = []
+    forward = paged.forward
+
+    def recording(model_, store, seq_ids, chunks):
+        context = max(store.length(s) + len(c) for s, c in zip(seq_ids, chunks, strict=True))
+        shapes.append((len(chunks), max(len(c) for c in chunks), context))
+        return forward(model_, store, seq_ids, chunks)
+
+    trace = conversation_trace(sum(waves), 1.0, block_size=page_size, vocab_size=model.config.vocab_size, seed=seed)
+    engine = ReplicaEngine(model, num_slots=8192, page_size=page_size, prefix_cache="none", max_num_seqs=16)
+    samples, pending = [], iter(enumerate(trace))
+    paged.forward, enabled = recording, gc.isenabled()
+    gc.disable()  # a collection inside one timed step would read as a slow step
+    try:
+        for wave in waves:
+            for _ in range(wave):
+                i, r = next(pending)
+                engine.add_request(
+                    EngineRequest(str(i), prompt_tokens(r, page_size, model.config.vocab_size), r.output_length)
+                )
+            while engine.has_work():
+                before = len(shapes)
+                t0 = time.perf_counter()
+                engine.step()
+                seconds = time.perf_counter() - t0
+                if len(shapes) > before:
+                    samples.append((*shapes[-1], seconds))
+    finally:
+        paged.forward = forward
+        if enabled:
+            gc.enable()
+    return samples
+
+
+@dataclass
+class _Seq:
+    index: int  # in the trace
+    prompt: int
+    output: int
+    hash_ids: list[int]
+    cached: int = 0
+    computed: int = 0  # positions whose KV is written (the engine's store length)
+    generated: int = 0
+
+
+@dataclass
+class _Replica:
+    cache_pages: int
+    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)
+    cache: OrderedDict = field(default_factory=OrderedDict)  # page hash id -> None, least recently used first
+    batch: list = field(default_factory=list)  # (seq, chunk) of the step in flight
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    busy_s: float = 0.0
+
+
+@dataclass
+class SimResult:
+    """What a simulated run produced: per trace request its send time, token times, replica and prefix-cache
+    hit; per replica its prefill tokens computed, cached tokens and busy seconds."""
+
+    sent: list[float]
+    token_times: list[list[float]]
+    replica: list[int]
+    cached_tokens: list[int]
+    replicas: list[dict]
+
+    @property
+    def duration(self) -> float:
+        """From the first request sent to the last token (vLLM's benchmark duration)."""
+        return max(t[-1] for t in self.token_times) - min(self.sent)
+
+
+def simulate(
+    trace: list[TraceRequest],
+    policy: Policy,
+    step_cost: StepCost,
+    *,
+    replicas: int = 4,
+    page_size: int = 16,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 256,
+    cache_tokens: int = 4096,
+    vocab_size: int = 2048,
+) -> SimResult:
+    """Replay `trace` (hash ids of page_size-token blocks) on `replicas` simulated engines; `policy` routes
+    each arrival (it sees the prompt's tokens rebuilt by loadgen.prompt_tokens, so CacheAware's trees work)."""
+    if not trace:
+        raise ValueError("simulate needs a non-empty trace")
+    reps = [_Replica(cache_tokens // page_size) for _ in range(replicas)]
+    workers = [WorkerState(f"replica-{k}") for k in range(replicas)]
+    routed: dict[int, RoutedRequest] = {}
+    result = SimResult([r.timestamp for r in trace], [[] for _ in trace], [-1] * len(trace), [0] * len(trace), [])
+    steps: list[tuple[float, int]] = []  # heap of (end time, replica) of the steps in flight
+
+    def start_step(k: int, now: float) -> None:
+        rep = reps[k]
+        while rep.waiting and len(rep.running) < max_num_seqs:  # admission, as the engine's _admit
+            seq = rep.waiting.popleft()
+            usable = (seq.prompt - 1) // page_size  # the last prompt token is always computed
+            hit = 0
+            while hit < usable and seq.hash_ids[hit] in rep.cache:
+                rep.cache.move_to_end(seq.hash_ids[hit])
+                hit += 1
+            seq.cached = seq.computed = hit * page_size
+            result.cached_tokens[seq.index] = seq.cached
+            rep.cached_tokens += seq.cached
+            rep.running.append(seq)
+        budget, rep.batch = max_num_batched_tokens, []
+        for seq in rep.running:  # each running request's next chunk within the budget, as _schedule
+            want = seq.prompt - seq.computed if seq.computed < seq.prompt else 1
+            chunk = min(want, budget)
+            if chunk:
+                rep.batch.append((seq, chunk))
+                budget -= chunk
+        if rep.batch:
+            context = max(s.computed + c for s, c in rep.batch)
+            cost = step_cost(len(rep.batch), max(c for _, c in rep.batch), context)
+            rep.busy_s += cost
+            heapq.heappush(steps, (now + cost, k))
+
+    def finish_step(k: int, now: float) -> None:
+        rep = reps[k]
+        for seq, chunk in rep.batch:
+            if seq.computed < seq.prompt:
+                rep.prefill_tokens += chunk
+            seq.computed += chunk
+            if seq.computed < seq.prompt:
+                continue  # more prompt to come
+            result.token_times[seq.index].append(now)
+            seq.generated += 1
+            if seq.generated == seq.output:
+                rep.running.remove(seq)
+                for h in seq.hash_ids[: seq.prompt // page_size]:  # the prompt's full pages stay cached
+                    rep.cache[h] = None
+                    rep.cache.move_to_end(h)
+                while len(rep.cache) > rep.cache_pages:
+                    rep.cache.popitem(last=False)
+                request, worker = routed.pop(seq.index), workers[k]
+                worker.outstanding -= 1
+                worker.active_tokens -= len(request.token_ids) + request.max_tokens
+                policy.on_finish(request, worker)
+        rep.batch = []
+        start_step(k, now)
+
+    for i, r in enumerate(trace):
+        while steps and steps[0][0] <= r.timestamp:  # steps that end before this arrival
+            end, k = heapq.heappop(steps)
+            finish_step(k, end)
+        tokens = prompt_tokens(r, page_size, vocab_size)
+        session = None if r.session_id is None else str(r.session_id)
+        request = RoutedRequest(str(i), tokens, session, r.output_length, page_hashes(tokens, page_size))
+        k = policy.choose(request, workers)
+        policy.on_dispatch(request, workers[k])
+        workers[k].outstanding += 1
+        workers[k].active_tokens += len(tokens) + r.output_length
+        routed[i], result.replica[i] = request, k
+        reps[k].waiting.append(_Seq(i, r.input_length, r.output_length, r.hash_ids))
+        if not reps[k].batch:  # an idle replica starts at once
+            start_step(k, r.timestamp)
+    while steps:
+        end, k = heapq.heappop(steps)
+        finish_step(k, end)
+    result.replicas = [
+        {"requests": result.replica.count(k), "prefill_tokens": rep.prefill_tokens,
+         "cached_tokens": rep.cached_tokens, "busy_s": rep.busy_s}
+        for k, rep in enumerate(reps)
+    ]  # fmt: skip
+    return result
