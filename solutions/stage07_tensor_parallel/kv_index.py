@@ -33,11 +33,9 @@ class KVIndex:
         Returns False when the worker is stale after this call (the caller requests a snapshot)."""
         if kind not in ("stored", "removed"):
             raise ValueError(f"KV event kind {kind!r} is neither 'stored' nor 'removed'")
-        if worker in self.stale:
-            self.pending[worker].append((seq, kind, block_hashes))
-            return False
         if seq <= self.seq[worker]:
             return True
+        # events arrive in order, so while stale every later event comes here too and waits
         if seq > self.seq[worker] + 1:
             self.stale.add(worker)
             self.pending[worker].append((seq, kind, block_hashes))

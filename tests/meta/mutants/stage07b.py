@@ -203,9 +203,9 @@ MUTANTS = [
     ),
     dict(
         file="kv_index.py",
-        find="        if worker in self.stale:\n            self.pending[worker].append((seq, kind, block_hashes))\n            return False\n",
-        replace="",
-        bug="the index applies events while the worker is stale (they are then lost or doubled by the snapshot)",
+        find="            self.stale.add(worker)\n            self.pending[worker].append((seq, kind, block_hashes))",
+        replace="            self.stale.add(worker)",
+        bug="the event that reveals a gap is dropped instead of held for the snapshot's replay",
     ),
     dict(
         file="kv_index.py",
