@@ -54,7 +54,7 @@ class Fleet:
         self.addresses: list[str] = []
 
     def start_replicas(self) -> None:
-        package = __name__.rsplit(".", 1)[0]
+        package = __spec__.parent  # this module's package, also under python -m
         # the folder this package was imported from (the course, or a copy holding a submission), and labkit's
         base = Path(sys.modules[package.split(".")[0]].__file__).parent.parent
         env = {
@@ -76,10 +76,9 @@ class Fleet:
         reader.start()
         reader.join(self.start_timeout)
         if not result or not result[0]:
-            raise RuntimeError(
-                f"replica {proc.args[proc.args.index('--name') + 1]} did not start within {self.start_timeout} s "
-                f"(exit code {proc.poll()}); run its command by hand to see why: {' '.join(proc.args)}"
-            )
+            name = proc.args[proc.args.index("--name") + 1]
+            why = f"exited with code {proc.wait(1)}" if result else f"did not start within {self.start_timeout} s"
+            raise RuntimeError(f"replica {name} {why}; run its command by hand to see why: {' '.join(proc.args)}")
         return result[0]
 
     def __enter__(self) -> "Fleet":
