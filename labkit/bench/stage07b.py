@@ -1,0 +1,154 @@
+"""Stage 07 part 2: goodput of a 4-replica fleet against the request rate, per routing policy, from engine
+step costs measured on this machine; the knee per policy and its cost per million tokens.
+
+    make bench STAGE=07b
+
+Measured here: the cost of one ReplicaEngine step on the tiny target (one thread), as a function of the
+batch's padded shape (simulator.measure_step_costs, StepCost.fit). Simulated: everything else. Two cores
+cannot run four replicas under load, so simulator.simulate replays two traces through four simulated
+replicas that schedule as ReplicaEngine does, each routing policy of policies.py placing the arrivals:
+a shared-prefix trace (conversations behind shared system prompts) and one without reuse, where
+cache-aware routing has nothing to gain. The knee is the highest rate at which 90 % of requests meet
+the SLO (DistServe's goodput), found by slo.max_rate_meeting; the cost takes the stated vCPU price of
+labkit.specs for each replica. bench_results/stage07b_fleet.json (lab 3) holds the measured fleet.
+"""
+
+import dataclasses
+import statistics
+
+import numpy as np
+import torch
+
+from labkit import bench, plot
+from labkit.impl import load
+from labkit.specs import VCPU_DOLLARS_PER_HOUR
+
+REPLICAS = 4
+TARGET = 0.9  # the fraction of requests that must meet the SLO
+RATES = (0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8)  # requests per second, for the curves
+
+
+def policies(pol) -> dict:
+    """Fresh policy objects by name (a policy keeps state, so each run gets its own)."""
+    return {
+        "round_robin": pol.RoundRobin,
+        "least_outstanding": pol.LeastOutstanding,
+        "power_of_two": lambda: pol.PowerOfTwo(seed=0),
+        "session_affinity": pol.SessionAffinity,
+        "cache_aware": pol.CacheAware,
+        # the course's tree bound (65,536 tokens a worker) fills after a few hundred prompts; sgl-router's is 2^26
+        "cache_aware (tree bound 2^26)": lambda: pol.CacheAware(max_tree_size=1 << 26),
+    }
+
+
+def main(quick: bool = False) -> bench.Result:
+    sim, pol = load("stage07_tensor_parallel.simulator"), load("stage07_tensor_parallel.policies")
+    loadgen, slo = load("stage07_tensor_parallel.loadgen"), load("stage07_tensor_parallel.slo")
+    torch.set_num_threads(1)  # one replica, one core
+    model, which = bench.model()
+
+    rounds = 1 if quick else 3
+    samples = []
+    for r in range(rounds):
+        samples += sim.measure_step_costs(model, seed=r)
+    cost = sim.StepCost.fit(samples)
+    ratio = [cost(b, t, c) / s for b, t, c, s in samples]
+    decode = {B: cost(B, 1, 256) for B in (1, 4, 16)}
+    print(f"model: {which}; {len(samples)} engine steps timed; fitted {cost}")
+    print(f"fit on its own samples: predicted/measured median {statistics.median(ratio):.2f}, "
+          f"p10 {np.percentile(ratio, 10):.2f}, p90 {np.percentile(ratio, 90):.2f}; a decode step at context 256 "
+          + ", ".join(f"B={b}: {t * 1e3:.1f} ms" for b, t in decode.items()))  # fmt: skip
+
+    n = 300 if quick else 800
+    bound = slo.SLO(ttft=1.0, tpot=0.1)
+    # Long shared prefixes and short answers, the shape of Mooncake's trace (thousands of prompt tokens, a few
+    # hundred out) scaled to the tiny target's 1,024 positions; the no-reuse trace has the same lengths.
+    shape = dict(max_turns=4, output_length=(8, 32))
+    traces = {
+        "shared prefix": loadgen.conversation_trace(n, 1.0, system_prompts=8, system_length=512, **shape, seed=0),
+        "no reuse": loadgen.conversation_trace(
+            n, 1.0, system_prompts=0, **shape | dict(max_turns=1), user_length=(520, 656), seed=0
+        ),  # fmt: skip
+    }
+    mean_out = {k: statistics.mean(r.output_length for r in t) for k, t in traces.items()}
+
+    def run(trace_name: str, policy_name: str, rate: float):
+        trace = [dataclasses.replace(r, timestamp=r.timestamp / rate) for r in traces[trace_name]]  # same requests
+        res = sim.simulate(trace, policies(pol)[policy_name](), cost, replicas=REPLICAS, cache_tokens=2048)
+        metrics = [slo.request_metrics(s, t) for s, t in zip(res.sent, res.token_times, strict=True)]
+        return res, metrics
+
+    rows, knees, curves = [], {}, {}
+    price = REPLICAS * VCPU_DOLLARS_PER_HOUR
+    for trace_name in traces:
+        for name in policies(pol):
+            curve = []
+            for rate in RATES[::2] if quick else RATES:
+                res, metrics = run(trace_name, name, rate)
+                s = slo.summarize(metrics)
+                curve.append(dict(rate=rate, goodput=slo.goodput(metrics, bound, res.duration),
+                                  attainment=slo.attainment(metrics, bound), ttft_p99=s["ttft_p99"],
+                                  tpot_p99=s["tpot_p99"], prefill_tokens=sum(r["prefill_tokens"] for r in res.replicas),
+                                  requests_per_replica=[r["requests"] for r in res.replicas]))  # fmt: skip
+            curves[(trace_name, name)] = curve
+
+            def attained(rate, trace_name=trace_name, name=name):
+                return slo.attainment(run(trace_name, name, rate)[1], bound)
+
+            knee = slo.max_rate_meeting(attained, TARGET, lo=0.25, hi=64.0, tol=0.05 if quick else 0.02)
+            dollars = slo.cost_per_million_tokens(price, knee * mean_out[trace_name])
+            knees[(trace_name, name)] = knee
+            at = curve[min(range(len(curve)), key=lambda i: abs(curve[i]["rate"] - 4))]
+            rows.append({"trace": trace_name, "policy": name, "knee (req/s)": knee, "$/M output tokens": dollars,
+                         "prefill tokens at 4 req/s": at["prefill_tokens"],
+                         "requests per replica at 4 req/s": str(at["requests_per_replica"])})  # fmt: skip
+    title = (f"simulated {REPLICAS}-replica fleet: knee = highest rate with {TARGET:.0%} of requests within TTFT <= "
+             f"{bound.ttft} s and TPOT <= {bound.tpot * 1e3:.0f} ms; cost at ${price:.3f}/h ({REPLICAS} vCPUs)")  # fmt: skip
+    print(bench.table(rows, title=title))
+    for trace_name in traces:
+        rr = knees[(trace_name, "round_robin")]
+        print(f"{trace_name}: knee / round-robin's: "
+              + ", ".join(f"{p} {knees[(trace_name, p)] / rr:.2f}x" for p in policies(pol) if p != "round_robin"))  # fmt: skip
+
+    figures = {
+        "model": which,
+        "measured": {
+            "step_cost": dataclasses.asdict(cost),
+            "steps_timed": len(samples),
+            "fit_ratio_p10_p50_p90": [float(np.percentile(ratio, q)) for q in (10, 50, 90)],
+        },  # fmt: skip
+        "simulated": {
+            "replicas": REPLICAS,
+            "slo": dataclasses.asdict(bound),
+            "target": TARGET,
+            "requests": n,
+            "dollars_per_hour": price,
+            "price_source": "labkit.specs.VCPU_DOLLARS_PER_HOUR x replicas",
+            "mean_output_tokens": mean_out,
+            "curves": {f"{t} / {p}": c for (t, p), c in curves.items()},
+        },  # fmt: skip
+    }
+    return bench.Result(rows, figures, _plot(curves, knees, list(traces), list(policies(pol))))
+
+
+def _plot(curves, knees, traces, names):
+    plt = plot.setup()
+    fig, axes = plt.subplots(1, len(traces), figsize=(12, 4.2), sharey=True)
+    for ax, trace_name in zip(axes, traces, strict=True):
+        for i, name in enumerate(names):
+            c = curves[(trace_name, name)]
+            ax.plot([p["rate"] for p in c], [p["goodput"] for p in c], marker="o", color=f"C{i}", label=name)
+            ax.axvline(knees[(trace_name, name)], color=f"C{i}", linestyle=":", alpha=0.7)
+        ax.plot(
+            [0, max(p["rate"] for p in c)], [0, max(p["rate"] for p in c)], color="grey", lw=0.8, label="offered rate"
+        )
+        ax.set_title(f"{trace_name} trace (simulated; step costs measured here)")
+        ax.set_xlabel("offered request rate (req/s)")
+    axes[0].set_ylabel("goodput (req/s within the SLO)")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+if __name__ == "__main__":
+    main()
