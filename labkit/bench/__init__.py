@@ -119,6 +119,8 @@ def main(argv=None) -> int:
         "seconds": round(time.perf_counter() - t0),
         "load_average_1min": [round(load0, 2), round(os.getloadavg()[0], 2)],  # at start, at end
     }
+    if os.environ.get("MODEL") == "real" and not name.endswith("_real"):
+        name += "_real"  # MODEL=real must not overwrite the tiny model's figures that handouts quote
     for path in save(result, name + ("_quick" if args.quick else ""), run):
         print(f"saved {path.relative_to(ROOT)}")
     print(f"machine: {machine()}; benchmark took {run['seconds']} s")  # after: it sets threads
