@@ -5,8 +5,9 @@ and the prefix cache can own slots token by token. A slot is in exactly one of t
 pool (store.free_blocks), a request's table (the tokens it computed itself), or the prefix cache
 (tokens some earlier request computed). A request that hits the cache starts with the cached slots
 at the head of its block table and computes only the rest; while it runs it locks them, so eviction
-cannot free KV it attends to. When it finishes (or is aborted) its slots go to the cache, which
-keeps what it did not hold yet and hands back the duplicates.
+cannot free KV it attends to. As soon as its prompt is computed, the prompt's whole pages go to the
+cache (so requests arriving while it decodes reuse them), and when it finishes (or is aborted) the
+rest of its slots do; each time the cache keeps what it did not hold yet and hands back duplicates.
 
 Every step schedules, in admission order, each running request's next tokens (its uncached prompt,
 in chunks, then one token at a time) within max_num_batched_tokens, and runs them as one ragged
@@ -299,6 +300,8 @@ class ReplicaEngine:
         for (seq, chunk), rows in zip(batch, logits, strict=True):
             start = self.store.length(seq.seq_id) - len(chunk)
             self.counts["prefill_tokens_computed"] += max(0, min(seq.prefill_end - start, len(chunk)))
+            if start < seq.prefill_end <= self.store.length(seq.seq_id):
+                self._cache_prefill(seq)
             if self.store.length(seq.seq_id) < len(seq.tokens):
                 continue  # a prefill chunk with more to come: nothing to sample yet
             out.append(self._sample(seq, rows[-1]))
@@ -362,6 +365,25 @@ class ReplicaEngine:
             victim.handle, victim.held = None, 0
             self.waiting.appendleft(victim)
             self.counts["preemptions"] += 1
+
+    def _cache_prefill(self, seq: Sequence) -> None:
+        """SGLang's cache_unfinished_req: once a prompt is computed its whole pages join the cache, so a
+        request admitted while this one still decodes reuses them. Where the cache already held a page
+        (a concurrent request cached it first), the table takes the cache's slots and frees its own;
+        the lock moves to the node that now ends the prompt."""
+        if isinstance(self.cache, NoPrefixCache):
+            return
+        sid, P = seq.seq_id, self.cache.page_size
+        kept = self.store.length(sid) // P * P
+        if kept <= seq.held:
+            return
+        table, tokens = self.store.block_tables[sid], seq.tokens[:kept]
+        duplicates = self.cache.insert(tokens, table[:kept], seq.held)
+        slots, handle = self.cache.acquire(tokens)
+        self.cache.release(seq.handle)
+        table[:kept] = slots
+        self.store.free_blocks += duplicates
+        seq.held, seq.handle = kept, handle
 
     def _release(self, seq: Sequence, cache_it: bool) -> None:
         """Hand a leaving request's slots to the cache (cache_it) or the pool, and unlock its cached head."""

@@ -260,3 +260,23 @@ def test_sampling_follows_each_requests_own_seeded_generator(impl, models, seed)
                 logits = model(torch.tensor([tokens]))[0, -1].float()
             tokens.append(int(torch.multinomial(torch.softmax(logits / r.temperature, -1), 1, generator=g)))
         assert out[r.request_id] == tokens[len(r.prompt) :], f"seed={seed}: {r.request_id}'s samples differ"
+
+
+@pytest.mark.parametrize(("mode", "page_size"), [("radix", 1), ("radix", 4), ("hash", 4)])
+def test_a_prompt_is_cached_when_its_prefill_ends_not_when_it_finishes(impl, models, mode, page_size):
+    """SGLang's cache_unfinished_req: a request admitted while the first still decodes reuses its
+    prompt's whole pages, so a shared prefix is computed once even when the two run together."""
+    mod = impl(ENGINE)
+    model = models("gqa2-tied", 0)
+    first, second = shared_prefix_prompts(page_size, 2, 22)
+    engine = mod.ReplicaEngine(model, num_slots=512, page_size=page_size, prefix_cache=mode, max_num_batched_tokens=64)
+    out = drive(engine, mod, [mod.EngineRequest("a", first, 12)], join_at={2: [mod.EngineRequest("b", second, 5)]})
+    hit = 22 // page_size * page_size
+    s = engine.stats
+    assert s["prefill_tokens_computed"] == len(first) + len(second) - hit, (
+        f"{mode} page_size={page_size}: computed {s['prefill_tokens_computed']} prefill tokens; the shared "
+        f"{hit} should be computed once (b joined while a was decoding)"
+    )
+    assert out["a"] == greedy(model, first, 12) and out["b"] == greedy(model, second, 5), f"{mode}: outputs differ"
+    assert s["slots_in_use"] == 0, f"{mode} page_size={page_size}: {s['slots_in_use']} slots still held"
+    assert s["slots_cached"] + len(engine.store.free_blocks) == 512, f"{mode} page_size={page_size}: slots leaked"
