@@ -221,7 +221,7 @@ class ReplicaEngine:
             raise ValueError(f"prefix_cache must be 'radix', 'hash' or 'none', got {prefix_cache!r}")
         if min(num_slots, page_size, max_num_seqs, max_num_batched_tokens) < 1:
             raise ValueError("num_slots, page_size, max_num_seqs and max_num_batched_tokens must all be >= 1")
-        self.model, self.on_kv_event = model, on_kv_event
+        self.model, self.on_kv_event, self.page_size = model, on_kv_event, page_size
         self.store = paged.PagedKVStore(model, num_slots, 1)
         self.cache = caches[prefix_cache](page_size, self._emit) if prefix_cache in caches else NoPrefixCache()
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -373,7 +373,7 @@ class ReplicaEngine:
         the lock moves to the node that now ends the prompt."""
         if isinstance(self.cache, NoPrefixCache):
             return
-        sid, P = seq.seq_id, self.cache.page_size
+        sid, P = seq.seq_id, self.page_size
         kept = self.store.length(sid) // P * P
         if kept <= seq.held:
             return

@@ -172,7 +172,7 @@ def _given(folder: str, value) -> set[str]:
 
 
 def pytest_configure(config):
-    for notebook in (1, 2, 3, 4):
+    for notebook in (1, 2, 3, 4, 5):
         for k in range(1, 21):
             config.addinivalue_line("markers", f"{mark_name(notebook, k)}: a test of lab{notebook} §{k}")
 
