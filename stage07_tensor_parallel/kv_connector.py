@@ -125,3 +125,47 @@ def recv_kv(src: int, config, timeout_s: float = 10.0, group=None) -> KVPayload:
         raise TransferError(f"the KV from rank {src} does not match its header's checksum: a short or broken stream")
     ids = ids_t.tolist()
     return KVPayload(ids[:tokens], list(k), list(v), ids[tokens:])
+
+
+def prefill_decode(
+    model_folder, prompts: list[list[int]], new_tokens: int, page_size: int = 16, timeout_s: float = 10.0
+):
+    """A labkit.distributed.launch worker for two ranks, one engine each. Rank 0 prefills every prompt
+    (one new token), saves its KV and sends it; rank 1 receives it, loads it and decodes new_tokens,
+    computing the prompt itself when the transfer fails. Both ranks meet at a barrier before each
+    transfer, so the time each reports is the transfer's, not the other's prefill. Rank 0 returns
+    [{bytes, seconds}] (save + send), rank 1 [{tokens, loaded, computed, seconds, error}] (receive + load)."""
+    import time
+
+    from labkit.model import from_pretrained
+
+    from .replica_engine import EngineRequest, ReplicaEngine
+
+    torch.set_num_threads(1)
+    model = from_pretrained(model_folder).float().eval()
+    engine = ReplicaEngine(model, num_slots=8 * max(map(len, prompts)) + 8 * new_tokens + 64, page_size=page_size)
+    results = []
+    for i, prompt in enumerate(prompts):
+        if dist.get_rank() == 0:
+            engine.add_request(EngineRequest(f"p{i}", prompt, 1))
+            while engine.has_work():
+                engine.step()
+        dist.barrier()
+        t0 = time.perf_counter()
+        if dist.get_rank() == 0:
+            sent = send_kv(save_kv(engine, prompt), 1)
+            results.append(dict(bytes=sent, seconds=time.perf_counter() - t0))
+            continue
+        error, loaded = None, 0
+        try:
+            loaded = load_kv(engine, recv_kv(0, model.config, timeout_s))
+        except TransferError as e:
+            error = str(e)
+        seconds, before = time.perf_counter() - t0, engine.stats["prefill_tokens_computed"]
+        engine.add_request(EngineRequest(f"d{i}", prompt, new_tokens))
+        tokens = []
+        while engine.has_work():
+            tokens += [o.token_id for o in engine.step() if o.token_id is not None]
+        computed = engine.stats["prefill_tokens_computed"] - before
+        results.append(dict(tokens=tokens, loaded=loaded, computed=computed, seconds=seconds, error=error))
+    return results
