@@ -30,7 +30,8 @@ from .router import POLICIES, chat_template, create_app
 
 
 class Fleet:
-    """Start the replicas and the router on enter; stop both on exit. engine_settings go to each ReplicaEngine."""
+    """Start the replicas and the router on enter; stop both on exit. engine_settings go to each ReplicaEngine;
+    breaker, admission and dead_after to the router (create_app)."""
 
     def __init__(
         self,
@@ -41,6 +42,9 @@ class Fleet:
         policy_options: dict | None = None,
         drop_events: float = 0.0,
         start_timeout: float = 60.0,
+        breaker=None,
+        admission=None,
+        dead_after: float = 3.0,
         **engine_settings,
     ):
         if replicas < 1:
@@ -50,6 +54,7 @@ class Fleet:
         self.folder = Path(model_folder or checkpoint.model_folder())
         self.n, self.policy, self.policy_options = replicas, policy, policy_options
         self.drop_events, self.start_timeout, self.engine_settings = drop_events, start_timeout, engine_settings
+        self.router_faults = {"breaker": breaker, "admission": admission, "dead_after": dead_after}  # router.py
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[str] = []
 
@@ -89,6 +94,7 @@ class Fleet:
                 self.addresses, checkpoint.load_tokenizer(self.folder), policy=self.policy,
                 policy_options=self.policy_options, render_chat=chat_template(self.folder),
                 eos_token_id=config.get("eos_token_id"), model_name=self.folder.name, drop_events=self.drop_events,
+                **self.router_faults,
             )  # fmt: skip
             self._serving = serving(self.app, timeout=self.start_timeout)
             self.url = self._serving.__enter__()
@@ -131,8 +137,14 @@ class Fleet:
             return sock.recv_json()
 
     def stats(self) -> list[dict]:
-        """Each replica's engine stats, asked directly (not through the router)."""
-        return [self.ask(i, {"type": "stats"})["stats"] for i in range(self.n)]
+        """Each live replica's engine stats, asked directly (not through the router); a killed one is left out."""
+        return [self.ask(i, {"type": "stats"})["stats"] for i in range(self.n) if self.procs[i].poll() is None]
+
+    def kill(self, name: str) -> None:
+        """kill -9 the replica called `name` (w0, w1, ...): a crash, for lab3 §4 and its tests."""
+        proc = self.procs[int(name.removeprefix("w"))]
+        proc.kill()
+        proc.wait()
 
     def wait_idle(self, timeout: float = 30.0) -> list[dict]:
         """Stats once no replica runs or queues a request (aborts reach a replica a moment after a client leaves)."""

@@ -16,8 +16,9 @@ ROUTER socket (a router's DEALER connects; replies go back to the socket that as
     {"type": "stats"}                    -> {"type": "stats", "worker", "stats": engine.stats + "finish_reasons"}
 
 PUB socket: KV events {"worker", "seq", "kind": "stored" | "removed", "block_hashes"}, seq 1, 2, 3, ...;
-and while idle, every HEARTBEAT_S, {"worker", "seq", "kind": "heartbeat"} with the last event's number, so a
-router that lost the latest events (or just started) sees the gap. A snapshot is taken between two steps,
+and every HEARTBEAT_S, between two steps, {"worker", "seq", "kind": "heartbeat"} with the last event's number,
+so a router that lost the latest events (or just started) sees the gap, and one that hears nothing for a
+while knows the replica is dead or stuck (router.py migrates its requests). A snapshot is taken between two steps,
 so it holds exactly the effect of events 1..seq.
 """
 
@@ -154,7 +155,7 @@ class Replica:
                     self.handle(identity, msg)
             if self.engine.has_work():
                 self.step()
-            elif time.monotonic() - last_beat >= HEARTBEAT_S:
+            if time.monotonic() - last_beat >= HEARTBEAT_S:  # busy or idle: the router reads silence as death
                 self.pub.send_json({"worker": self.name, "seq": self.seq, "kind": "heartbeat"})
                 last_beat = time.monotonic()
 

@@ -14,6 +14,16 @@ forwards the token ids; tokens stream back and are detokenized here. The OpenAI 
 session id that SessionAffinity keys on. A bad request gets a 400 naming the field; a client that
 disconnects aborts its request on the replica (its slots go back at once); on shutdown uvicorn lets every
 accepted request finish, and any still open after that gets an error, so none is dropped silently.
+
+Faults (lab3.ipynb §4-§5). A replica that sends nothing (not even its heartbeat) for `dead_after` seconds
+is dead: it leaves the policy's candidates, and each of its requests moves to a healthy replica as its
+prompt plus the tokens already received, with max_tokens reduced by as many, so a greedy stream goes on
+as if nothing happened (a sampled one goes on correctly but differently); with no healthy replica left
+the client gets an error, never a hang. `breaker` (a factory of breaker.CircuitBreaker) gives each
+replica a circuit breaker fed by its failures (timeouts, replica errors, death); a replica whose breaker
+is not closed is out of the candidates, and a stats request is the half-open probe. `admission`
+(admission.AdmissionControl) answers 429 with Retry-After when no healthy replica can start a new request
+within its TTFT SLO. Both are off unless given.
 """
 
 import argparse
@@ -21,6 +31,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import random
 import time
 import uuid
@@ -92,9 +103,11 @@ class ChatCompletion(Sampling):
     messages: list[Message] = Field(min_length=1)
 
 
-def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+def error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+    kind = "rate_limit_exceeded" if status == 429 else kind
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status, headers=headers)
 
 
 def plain_chat(turns: list[dict]) -> str:
@@ -123,21 +136,47 @@ class Worker:
     max_len: int = 0
     served: int = 0  # requests routed to it since the router started
     replies: dict[str, asyncio.Future] = field(default_factory=dict)  # "stats" -> the pending reply
+    last_seen: float = field(default_factory=time.monotonic)  # when it last sent anything (heartbeats too)
+    alive: bool = True  # heard from within dead_after seconds
+    breaker: object = None  # a breaker.CircuitBreaker, or None (no breaker)
+
+
+@dataclass
+class Flight:
+    """One open request: where it runs now and what it has received, so it can move to another replica."""
+
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    params: dict  # temperature, seed, stop_token_ids: sent again on a move
+    session: str | None
+    queue: asyncio.Queue
+    worker: Worker | None = None
+    routed: RoutedRequest | None = None  # what the policy saw when it placed the request on `worker`
+    tokens: list[int] = field(default_factory=list)  # received so far, across replicas
+    waiting_first: bool = False  # its prompt still counts in worker.state.queued_prefill_tokens
+    ended: bool = False  # finished or refused on its replica: nothing to abort there
+    booked: bool = False  # counted in its worker's WorkerState (dispatch_to until release)
+    moves: int = 0
 
 
 class RouterState:
     """The router's live state: workers, open requests, the KV index and the policy."""
 
-    def __init__(self, addresses, policy, policy_options, drop_events, seed, ctx):
+    def __init__(self, addresses, policy, policy_options, drop_events, seed, ctx, breaker=None, admission=None,
+                 dead_after=3.0, probe_timeout=2.0):  # fmt: skip
         self.addresses, self.policy_name, self.policy_options = list(addresses), policy, policy_options or {}
         self.ctx, self.index = ctx, KVIndex()
         self.drop_events, self.rng = drop_events, random.Random(seed)  # drop_events: a lossy network, for tests
         self.workers: dict[str, Worker] = {}  # worker name -> Worker
-        self.queues: dict[str, asyncio.Queue] = {}  # request id -> its replica messages
+        self.flights: dict[str, Flight] = {}  # request id -> the open request
         self.snapshot_asked: set[str] = set()
         self.tasks: list[asyncio.Task] = []
         self.policy: Policy | None = None
         self.dropped = 0
+        self.breaker, self.admission = breaker, admission  # a CircuitBreaker factory; an AdmissionControl
+        self.dead_after, self.probe_timeout = dead_after, probe_timeout
+        self.moved = self.rejected = 0  # requests moved off a dead replica; requests answered 429
 
     async def start(self, timeout: float = 30.0) -> None:
         sub = self.ctx.socket(zmq.SUB)
@@ -153,7 +192,9 @@ class RouterState:
             name = hello["worker"]
             if name in self.workers:
                 raise ValueError(f"two replicas are named {name!r} ({address}); start each with its own --name")
-            self.workers[name] = Worker(address, sock, WorkerState(name), hello["page_size"], hello["max_len"])
+            worker = Worker(address, sock, WorkerState(name), hello["page_size"], hello["max_len"])
+            worker.breaker = self.breaker() if self.breaker else None
+            self.workers[name] = worker
             sub.connect(f"{address.rsplit(':', 1)[0]}:{hello['pub_port']}")
         page_sizes = {w.page_size for w in self.workers.values()}
         if len(page_sizes) > 1:
@@ -165,6 +206,7 @@ class RouterState:
         self.sub = sub
         self.tasks = [asyncio.ensure_future(self.read(w)) for w in self.workers.values()]
         self.tasks.append(asyncio.ensure_future(self.read_events()))
+        self.tasks.append(asyncio.ensure_future(self.watch()))
         for name in self.workers:
             await self.ask_snapshot(name)
 
@@ -177,9 +219,13 @@ class RouterState:
         """One replica's replies: tokens and errors to their request's queue, snapshots to the index."""
         while True:
             msg = await worker.sock.recv_json()
+            worker.last_seen = time.monotonic()
             kind = msg.get("type")
-            if kind in ("token", "error") and msg.get("request_id") in self.queues:
-                self.queues[msg["request_id"]].put_nowait(msg)
+            if kind in ("token", "error"):
+                flight = self.flights.get(msg.get("request_id"))
+                if flight is not None and flight.worker is worker:  # not a replica it has moved away from
+                    self.first_token(flight)
+                    flight.queue.put_nowait(msg)
             elif kind == "snapshot":
                 self.snapshot_asked.discard(msg["worker"])
                 with self.guard("KVIndex.apply_snapshot"):
@@ -195,6 +241,7 @@ class RouterState:
             name = msg.get("worker")
             if name not in self.workers:
                 continue
+            self.workers[name].last_seen = time.monotonic()  # the lossy network below loses content, not liveness
             if self.drop_events and self.rng.random() < self.drop_events:
                 self.dropped += 1
                 continue
@@ -214,14 +261,120 @@ class RouterState:
         except Exception:  # noqa: BLE001
             log.exception("%s failed; the KV index may be out of date", what)
 
+    def first_token(self, flight: Flight) -> None:
+        """Its replica answered: the prompt no longer waits for prefill there (admission's estimate)."""
+        if flight.waiting_first:
+            flight.waiting_first = False
+            flight.worker.state.queued_prefill_tokens -= len(flight.routed.token_ids)
+
+    def candidates(self, exclude: Worker | None = None) -> list[Worker]:
+        """The workers a request may go to: alive, and with a closed breaker. A breaker whose cooldown has
+        passed lets its probe go here (a stats request), never a client's request."""
+        out, now = [], time.monotonic()
+        for w in self.workers.values():
+            if not w.alive or w is exclude:
+                continue
+            if w.breaker is None:
+                out.append(w)
+            elif w.breaker.allow(now):
+                if w.breaker.state == "closed":
+                    out.append(w)
+                else:  # it just turned half-open
+                    self.tasks.append(asyncio.ensure_future(self.probe(w)))
+        return out
+
+    async def probe(self, worker: Worker) -> None:
+        try:
+            await self.stats(worker, self.probe_timeout)
+        except TimeoutError:
+            worker.breaker.record_failure(time.monotonic())
+        else:
+            worker.breaker.record_success(time.monotonic())
+
+    def failed(self, worker: Worker) -> None:
+        if worker.breaker is not None:
+            worker.breaker.record_failure(time.monotonic())
+
+    async def watch(self, period: float = 0.1) -> None:
+        """Every `period`: a replica silent for dead_after seconds is dead (its requests are told to move);
+        one heard from again is alive; breakers due for a probe get it."""
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for name, w in self.workers.items():
+                silent = now - w.last_seen > self.dead_after
+                if w.alive and silent:
+                    log.warning("replica %s (%s) sent nothing for %.1f s: dead", name, w.address, self.dead_after)
+                    w.alive = False
+                    self.failed(w)
+                    for flight in self.flights.values():
+                        if flight.worker is w:
+                            flight.queue.put_nowait({"type": "lost", "worker": name})
+                elif not w.alive and not silent:
+                    log.warning("replica %s (%s) is back", name, w.address)
+                    w.alive = True
+            self.tasks = [t for t in self.tasks if not t.done()]
+            self.candidates()
+
+    def dispatch_to(self, flight: Flight, worker: Worker, routed: RoutedRequest) -> dict:
+        """Book `flight` on `worker` and return the generate message for it."""
+        flight.worker, flight.routed, flight.waiting_first, flight.ended = worker, routed, True, False
+        flight.booked = True
+        self.policy.on_dispatch(routed, worker.state)
+        worker.state.outstanding += 1
+        worker.served += 1
+        worker.state.active_tokens += len(routed.token_ids) + routed.max_tokens
+        worker.state.queued_prefill_tokens += len(routed.token_ids)
+        return {"type": "generate", "request_id": flight.rid, "prompt": routed.token_ids,
+                "max_tokens": routed.max_tokens, **flight.params}  # fmt: skip
+
+    def release(self, flight: Flight) -> None:
+        """Undo dispatch_to's books on the flight's current worker (once)."""
+        if not flight.booked:
+            return
+        flight.booked = False
+        w, routed = flight.worker, flight.routed
+        self.first_token(flight)
+        w.state.outstanding -= 1
+        w.state.active_tokens -= len(routed.token_ids) + routed.max_tokens
+        self.policy.on_finish(routed, w.state)
+
+    async def route(self, flight: Flight, exclude: Worker | None = None) -> bool:
+        """Send `flight` (its prompt plus the tokens it received, for what is left of max_tokens) to the
+        worker the policy picks among the candidates; False when there is none."""
+        workers = self.candidates(exclude)
+        if not workers:
+            return False
+        ids = flight.prompt + flight.tokens
+        routed = RoutedRequest(flight.rid, ids, flight.session, flight.max_tokens - len(flight.tokens),
+                               page_hashes(ids, self.page_size))  # fmt: skip
+        worker = workers[self.policy.choose(routed, [w.state for w in workers])]
+        await worker.sock.send_json(self.dispatch_to(flight, worker, routed))
+        return True
+
+    async def move(self, flight: Flight) -> bool:
+        """Its replica died: continue it elsewhere from the tokens received so far."""
+        old = flight.worker
+        self.release(flight)
+        with contextlib.suppress(zmq.Again):  # a stuck replica that wakes up must not finish it too
+            await old.sock.send_json({"type": "abort", "request_id": flight.rid}, zmq.NOBLOCK)
+        if not await self.route(flight, exclude=old):
+            flight.ended = True  # nothing runs it any more
+            return False
+        flight.moves += 1
+        self.moved += 1
+        log.warning("request %s moved from %s to %s after %d tokens", flight.rid, old.state.name,
+                    flight.worker.state.name, len(flight.tokens))  # fmt: skip
+        return True
+
     async def stats(self, worker: Worker, timeout: float = 10.0) -> dict:
         future = worker.replies.setdefault("stats", asyncio.get_running_loop().create_future())
         await worker.sock.send_json({"type": "stats"})
         return (await asyncio.wait_for(asyncio.shield(future), timeout))["stats"]
 
     async def stop(self) -> None:
-        for rid, queue in list(self.queues.items()):  # still open after uvicorn's graceful wait: fail, never drop
-            queue.put_nowait({"type": "error", "request_id": rid, "message": "the router is shutting down"})
+        for rid, flight in list(self.flights.items()):  # still open after uvicorn's graceful wait: fail, never drop
+            flight.queue.put_nowait({"type": "error", "request_id": rid, "message": "the router is shutting down"})
         await asyncio.sleep(0)
         for task in self.tasks:
             task.cancel()
@@ -242,15 +395,21 @@ def create_app(
     request_timeout: float = 60.0,
     drop_events: float = 0.0,
     seed: int = 0,
+    breaker: Callable[[], object] | None = None,
+    admission=None,
+    dead_after: float = 3.0,
 ) -> FastAPI:
     """The FastAPI app of a router over `replicas` (zmq addresses of replica.py's ROUTER sockets).
 
     tokenizer: a tokenizers.Tokenizer; render_chat: turns -> prompt (chat_template(folder));
     eos_token_id: a stop token unless a request sets ignore_eos; request_timeout: seconds without a token
-    before a request fails with 504; drop_events: the fraction of KV events to drop (a lossy network).
+    before a request fails with 504; drop_events: the fraction of KV events to drop (a lossy network);
+    breaker: () -> a breaker.CircuitBreaker for each replica (None: no breaker); admission: an
+    admission.AdmissionControl (None: every request is queued); dead_after: seconds of silence after which
+    a replica is dead and its requests move.
     """
     ctx = zmq.asyncio.Context.instance()
-    fleet = RouterState(replicas, policy, policy_options, drop_events, seed, ctx)
+    fleet = RouterState(replicas, policy, policy_options, drop_events, seed, ctx, breaker, admission, dead_after)
     render_chat = render_chat or plain_chat
 
     @contextlib.asynccontextmanager
@@ -301,43 +460,43 @@ def create_app(
                 "replica holds; shorten the prompt or lower max_tokens",
                 param,
             )
+        if not fleet.candidates():
+            return error(503, "no healthy replica: every replica is dead or has its circuit breaker open; retry later")
+        if fleet.admission is not None:
+            admit, ttft = fleet.admission.decide([w.state for w in fleet.candidates()], len(ids))
+            if not admit:
+                fleet.rejected += 1
+                wait = max(1, math.ceil(ttft - fleet.admission.ttft_slo))
+                return error(
+                    429,
+                    f"the fleet is over its SLO: the least loaded replica would start this request in {ttft:.2f} s, "
+                    f"past the time-to-first-token SLO of {fleet.admission.ttft_slo} s; retry after {wait} s",
+                    headers={"Retry-After": str(wait)},
+                )  # fmt: skip
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        routed = RoutedRequest(rid, ids, req.user, req.max_tokens, page_hashes(ids, fleet.page_size))
-        workers = list(fleet.workers.values())
-        worker = workers[fleet.policy.choose(routed, [w.state for w in workers])]
-        fleet.policy.on_dispatch(routed, worker.state)
-        worker.state.outstanding += 1
-        worker.served += 1
-        worker.state.active_tokens += len(ids) + req.max_tokens
-        queue = fleet.queues[rid] = asyncio.Queue()
         stop = [] if req.ignore_eos or eos_token_id is None else [eos_token_id]
-        await worker.sock.send_json(
-            {"type": "generate", "request_id": rid, "prompt": ids, "max_tokens": req.max_tokens,
-             "temperature": req.temperature, "seed": req.seed, "stop_token_ids": stop}
-        )  # fmt: skip
+        params = {"temperature": req.temperature, "seed": req.seed, "stop_token_ids": stop}
+        flight = fleet.flights[rid] = Flight(rid, ids, req.max_tokens, params, req.user, asyncio.Queue())
+        await fleet.route(flight)  # a candidate exists: nothing was awaited since the check
 
         def done() -> None:
             """The request ended (finished, failed, or its client left): the router's books close once."""
-            if fleet.queues.pop(rid, None) is not None:
-                worker.state.outstanding -= 1
-                worker.state.active_tokens -= len(ids) + req.max_tokens
-                fleet.policy.on_finish(routed, worker.state)
-
-        ended = []  # non-empty once the replica has finished (or refused) the request
+            if fleet.flights.pop(rid, None) is not None:
+                fleet.release(flight)
 
         async def abort() -> None:
             """Free the request's slots on its replica, unless it already ended there."""
-            if not ended:
-                ended.append(True)
-                await worker.sock.send_json({"type": "abort", "request_id": rid})
+            if not flight.ended:
+                flight.ended = True
+                await flight.worker.sock.send_json({"type": "abort", "request_id": rid})
 
         body = dict(id=rid, created=int(time.time()), model=req.model or model_name)
         if req.stream:
-            return StreamingResponse(stream(queue, body, chat, ended, done, abort), media_type="text/event-stream")
+            return StreamingResponse(stream(flight, body, chat, done, abort), media_type="text/event-stream")
         try:
-            last = await until_disconnected(request, final(queue))
+            last = await until_disconnected(request, final(flight))
             if last is not None and last.get("status") != 504:
-                ended.append(True)  # finished or refused on the replica: nothing to abort
+                flight.ended = True  # finished or refused on the replica: nothing to abort
         finally:
             await abort()
             done()
@@ -345,7 +504,7 @@ def create_app(
             return Response(status_code=499)  # the client has gone; nobody reads this
         if last["type"] == "error":
             return error(last.get("status", 400), last["message"])
-        tokens = last["tokens"]
+        tokens = flight.tokens
         text = tokenizer.decode(tokens)
         choice = {"index": 0, "finish_reason": last["finish_reason"], "logprobs": None}
         choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
@@ -353,46 +512,56 @@ def create_app(
         kind = "chat.completion" if chat else "text_completion"
         return JSONResponse({**body, "object": kind, "choices": [choice], "usage": usage})
 
-    async def next_message(queue: asyncio.Queue) -> dict:
-        try:
-            return await asyncio.wait_for(queue.get(), request_timeout)
-        except TimeoutError:
-            return {"type": "error", "status": 504, "message": f"no token from the replica for {request_timeout} s"}
-
-    async def final(queue: asyncio.Queue) -> dict:
-        tokens = []
+    async def next_message(flight: Flight) -> dict:
+        """The flight's next token or error. A replica that died hands its requests on (fleet.move)."""
         while True:
-            msg = await next_message(queue)
-            if msg["type"] == "error":
-                return msg
-            if msg["token_id"] is not None:
-                tokens.append(msg["token_id"])
-            if msg["finished"]:
-                return {**msg, "tokens": tokens}
+            try:
+                msg = await asyncio.wait_for(flight.queue.get(), request_timeout)
+            except TimeoutError:
+                fleet.failed(flight.worker)
+                return {"type": "error", "status": 504, "message": f"no token from the replica for {request_timeout} s"}
+            if msg["type"] == "lost":
+                if await fleet.move(flight):
+                    continue
+                return {"type": "error", "status": 503, "message": (
+                    f"replica {msg['worker']} died after {len(flight.tokens)} tokens of this request and no healthy "
+                    "replica is left to continue it; retry later")}  # fmt: skip
+            if msg["type"] == "error" and msg.get("status", 500) >= 500:
+                fleet.failed(flight.worker)
+            elif msg["type"] == "token":
+                if msg["token_id"] is not None:
+                    flight.tokens.append(msg["token_id"])
+                if msg["finished"] and flight.worker.breaker is not None:
+                    flight.worker.breaker.record_success(time.monotonic())
+            return msg
 
-    async def stream(queue, body, chat, ended, done, abort):
+    async def final(flight: Flight) -> dict:
+        while True:
+            msg = await next_message(flight)
+            if msg["type"] == "error" or msg["finished"]:
+                return msg
+
+    async def stream(flight, body, chat, done, abort):
         """SSE chunks of the new text as tokens arrive; closing it (the client left) aborts the request."""
         kind = "chat.completion.chunk" if chat else "text_completion"
-        sent, tokens = "", []
+        sent = ""
         try:
             while True:
-                msg = await next_message(queue)
+                msg = await next_message(flight)
                 if msg["type"] == "error":
                     if msg.get("status") != 504:
-                        ended.append(True)
+                        flight.ended = True
                     status = msg.get("status", 500)
                     yield sse({"error": {"message": msg["message"], "type": "server_error", "code": status}})
                     break
-                if msg["token_id"] is not None:
-                    tokens.append(msg["token_id"])
-                text = tokenizer.decode(tokens)
+                text = tokenizer.decode(flight.tokens)
                 if text.endswith("\ufffd") and not msg["finished"]:
                     continue  # half a UTF-8 character: wait for the rest
                 delta, sent = text[len(sent) :], text
                 choice = {"index": 0, "finish_reason": msg["finish_reason"], "logprobs": None}
                 choice |= {"delta": {"role": "assistant", "content": delta}} if chat else {"text": delta}
                 if msg["finished"]:
-                    ended.append(True)
+                    flight.ended = True
                 yield sse({**body, "object": kind, "choices": [choice]})
                 if msg["finished"]:
                     break
@@ -415,19 +584,26 @@ def create_app(
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "replicas": len(fleet.workers)}
+        healthy = len(fleet.candidates())
+        return {"status": "ok" if healthy else "unavailable", "replicas": len(fleet.workers), "healthy": healthy}
 
     @app.get("/fleet/stats")
     async def fleet_stats():
         out = []
         for name, w in fleet.workers.items():
             s = w.state
+            try:
+                engine = await fleet.stats(w, timeout=fleet.probe_timeout) if w.alive else None
+            except TimeoutError:
+                engine = None  # stuck or just died: the watch will tell
             out.append(
                 {"name": name, "address": w.address, "served": w.served, "outstanding": s.outstanding, "active_tokens": s.active_tokens,
-                 "engine": await fleet.stats(w), "index_blocks": len(fleet.index.blocks.get(name, ())),
-                 "index_seq": fleet.index.seq.get(name, 0), "index_stale": name in fleet.index.needs_snapshot()}
+                 "engine": engine, "index_blocks": len(fleet.index.blocks.get(name, ())),
+                 "index_seq": fleet.index.seq.get(name, 0), "index_stale": name in fleet.index.needs_snapshot(),
+                 "alive": w.alive, "breaker": w.breaker.state if w.breaker else None}
             )  # fmt: skip
-        return {"policy": fleet.policy.name, "dropped_events": fleet.dropped, "workers": out}
+        return {"policy": fleet.policy.name, "dropped_events": fleet.dropped, "moved": fleet.moved,
+                "rejected": fleet.rejected, "workers": out}  # fmt: skip
 
     return app
 

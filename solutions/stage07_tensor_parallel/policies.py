@@ -39,6 +39,7 @@ class WorkerState:
     name: str
     outstanding: int = 0  # requests dispatched to it and not finished
     active_tokens: int = 0  # prompt + max_tokens of those requests: the KV they will hold (decode load)
+    queued_prefill_tokens: int = 0  # prompt tokens sent to it whose first token has not come back (lab3 §5)
 
 
 class Policy:
