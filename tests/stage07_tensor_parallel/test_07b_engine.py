@@ -262,7 +262,7 @@ def test_sampling_follows_each_requests_own_seeded_generator(impl, models, seed)
         assert out[r.request_id] == tokens[len(r.prompt) :], f"seed={seed}: {r.request_id}'s samples differ"
 
 
-@pytest.mark.parametrize(("mode", "page_size"), [("radix", 1), ("radix", 4), ("hash", 4)])
+@pytest.mark.parametrize(("mode", "page_size"), [("radix", 1), ("radix", 4)])  # "hash" too, but it is given code
 def test_a_prompt_is_cached_when_its_prefill_ends_not_when_it_finishes(impl, models, mode, page_size):
     """SGLang's cache_unfinished_req: a request admitted while the first still decodes reuses its
     prompt's whole pages, so a shared prefix is computed once even when the two run together."""
