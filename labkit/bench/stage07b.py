@@ -11,10 +11,14 @@ a shared-prefix trace (conversations behind shared system prompts) and one witho
 cache-aware routing has nothing to gain. The knee is the highest rate at which 90 % of requests meet
 the SLO (DistServe's goodput), found by slo.max_rate_meeting; the cost takes the stated vCPU price of
 labkit.specs for each replica. bench_results/stage07b_fleet.json (lab 3) holds the measured fleet.
+
+Before the fleet, a check of the simulator: one real ReplicaEngine serves a trace open loop on the wall
+clock, and one simulated replica serves the same trace; their latency percentiles side by side.
 """
 
 import dataclasses
 import statistics
+import time
 
 import numpy as np
 import torch
@@ -25,7 +29,7 @@ from labkit.specs import VCPU_DOLLARS_PER_HOUR
 
 REPLICAS = 4
 TARGET = 0.9  # the fraction of requests that must meet the SLO
-RATES = (0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8)  # requests per second, for the curves
+FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)  # of the highest knee: the curves
 
 
 def policies(pol) -> dict:
@@ -59,6 +63,18 @@ def main(quick: bool = False) -> bench.Result:
           f"p10 {np.percentile(ratio, 10):.2f}, p90 {np.percentile(ratio, 90):.2f}; a decode step at context 256 "
           + ", ".join(f"B={b}: {t * 1e3:.1f} ms" for b, t in decode.items()))  # fmt: skip
 
+    # The simulator against the real thing: one replica, the same requests, measured on the wall clock.
+    check = loadgen.conversation_trace(30 if quick else 60, 1.0, system_prompts=8, system_length=512,
+                                       max_turns=4, output_length=(8, 32), seed=1)  # fmt: skip
+    real = replay(load("stage07_tensor_parallel.replica_engine"), model, check)
+    simulated = sim.simulate(check, pol.RoundRobin(), cost, replicas=1, cache_tokens=2048).token_times
+    versus = {}
+    for label, token_times in (("measured", real), ("simulated", simulated)):
+        s = slo.summarize([slo.request_metrics(r.timestamp, t) for r, t in zip(check, token_times, strict=True)])
+        versus[label] = {k: s[k] for k in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "e2e_p50", "e2e_p90")}
+    print(bench.table([{"one replica, 1 req/s": k, **{m: f"{v * 1e3:.0f} ms" for m, v in d.items()}}
+                       for k, d in versus.items()], title="the simulator against a real ReplicaEngine"))  # fmt: skip
+
     n = 300 if quick else 800
     bound = slo.SLO(ttft=1.0, tpot=0.1)
     # Long shared prefixes and short answers, the shape of Mooncake's trace (thousands of prompt tokens, a few
@@ -82,8 +98,17 @@ def main(quick: bool = False) -> bench.Result:
     price = REPLICAS * VCPU_DOLLARS_PER_HOUR
     for trace_name in traces:
         for name in policies(pol):
+
+            def attained(rate, trace_name=trace_name, name=name):
+                return slo.attainment(run(trace_name, name, rate)[1], bound)
+
+            knees[(trace_name, name)] = slo.max_rate_meeting(attained, TARGET, 0.25, 64.0, 0.05 if quick else 0.02)
+        # Curves on a grid scaled to this run's knees (the step costs, so the knees, move with the machine's load).
+        top, ref = max(knees[(trace_name, p)] for p in policies(pol)), knees[(trace_name, "round_robin")] / 2
+        grid = sorted({round(top * f, 2) for f in FRACTIONS[:: 2 if quick else 1]} | {round(ref, 2)})
+        for name in policies(pol):
             curve = []
-            for rate in RATES[::2] if quick else RATES:
+            for rate in grid:
                 res, metrics = run(trace_name, name, rate)
                 s = slo.summarize(metrics)
                 curve.append(dict(rate=rate, goodput=slo.goodput(metrics, bound, res.duration),
@@ -91,17 +116,12 @@ def main(quick: bool = False) -> bench.Result:
                                   tpot_p99=s["tpot_p99"], prefill_tokens=sum(r["prefill_tokens"] for r in res.replicas),
                                   requests_per_replica=[r["requests"] for r in res.replicas]))  # fmt: skip
             curves[(trace_name, name)] = curve
-
-            def attained(rate, trace_name=trace_name, name=name):
-                return slo.attainment(run(trace_name, name, rate)[1], bound)
-
-            knee = slo.max_rate_meeting(attained, TARGET, lo=0.25, hi=64.0, tol=0.05 if quick else 0.02)
-            dollars = slo.cost_per_million_tokens(price, knee * mean_out[trace_name])
-            knees[(trace_name, name)] = knee
-            at = curve[min(range(len(curve)), key=lambda i: abs(curve[i]["rate"] - 4))]
-            rows.append({"trace": trace_name, "policy": name, "knee (req/s)": knee, "$/M output tokens": dollars,
-                         "prefill tokens at 4 req/s": at["prefill_tokens"],
-                         "requests per replica at 4 req/s": str(at["requests_per_replica"])})  # fmt: skip
+            knee = knees[(trace_name, name)]
+            at = next(c for c in curve if c["rate"] == round(ref, 2))
+            rows.append({"trace": trace_name, "policy": name, "knee (req/s)": knee,
+                         "$/M output tokens": slo.cost_per_million_tokens(price, knee * mean_out[trace_name]),
+                         "at req/s (half RR's knee)": at["rate"], "prefill tokens": at["prefill_tokens"],
+                         "requests per replica": str(at["requests_per_replica"])})  # fmt: skip
     title = (f"simulated {REPLICAS}-replica fleet: knee = highest rate with {TARGET:.0%} of requests within TTFT <= "
              f"{bound.ttft} s and TPOT <= {bound.tpot * 1e3:.0f} ms; cost at ${price:.3f}/h ({REPLICAS} vCPUs)")  # fmt: skip
     print(bench.table(rows, title=title))
@@ -112,6 +132,7 @@ def main(quick: bool = False) -> bench.Result:
 
     figures = {
         "model": which,
+        "simulator_check_one_replica_1_req_per_s": versus,  # measured on a real engine vs simulated
         "measured": {
             "step_cost": dataclasses.asdict(cost),
             "steps_timed": len(samples),
@@ -129,6 +150,29 @@ def main(quick: bool = False) -> bench.Result:
         },  # fmt: skip
     }
     return bench.Result(rows, figures, _plot(curves, knees, list(traces), list(policies(pol))))
+
+
+def replay(engine_module, model, trace, page_size: int = 16) -> list[list[float]]:
+    """Serve `trace` open loop on one real ReplicaEngine, on the wall clock: each request's token times."""
+    loadgen = load("stage07_tensor_parallel.loadgen")
+    engine = engine_module.ReplicaEngine(model, page_size=page_size)
+    times, sent, t0 = [[] for _ in trace], 0, time.perf_counter()
+    while sent < len(trace) or engine.has_work():
+        now = time.perf_counter() - t0
+        while sent < len(trace) and trace[sent].timestamp <= now:
+            r = trace[sent]
+            tokens = loadgen.prompt_tokens(r, page_size, model.config.vocab_size)
+            engine.add_request(engine_module.EngineRequest(str(sent), tokens, r.output_length))
+            sent += 1
+        if not engine.has_work():
+            time.sleep(max(0.0, trace[sent].timestamp - now))
+            continue
+        out = engine.step()
+        end = time.perf_counter() - t0
+        for o in out:
+            if o.token_id is not None:
+                times[int(o.request_id)].append(end)
+    return times
 
 
 def _plot(curves, knees, traces, names):
