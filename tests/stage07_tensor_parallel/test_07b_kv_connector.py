@@ -96,6 +96,7 @@ def test_save_then_load_is_bit_exact_and_serves_from_the_cache(impl, mode, page_
         )
         assert out == model.generate(p, 5, stop_at_eos=False), f"{mode} p{i}: output after load_kv differs"
         assert (leak := no_leak(decode, 256)) is None, f"{mode} p{i}: {leak}"
+        assert (leak := no_leak(prefill, 256)) is None, f"{mode} p{i}: after save_kv, the producer's {leak}"
 
 
 @pytest.mark.in_process("the engine holds the test's model")

@@ -400,4 +400,65 @@ MUTANTS = [
         replace="    return dollars_per_hour / 60 / tokens_per_second * 1e6",
         bug="cost divides the hourly price by 60 (per minute) instead of 3600",
     ),
+    # --- kv_connector.py (lab5) ---
+    dict(
+        file="kv_connector.py",
+        find="    return 2 * config.num_hidden_layers * config.num_key_value_heads",
+        replace="    return config.num_hidden_layers * config.num_key_value_heads",
+        bug="kv_bytes_per_token counts K or V, not both",
+    ),
+    dict(
+        file="kv_connector.py",
+        find="config.num_hidden_layers * config.num_key_value_heads * config.head_dim",
+        replace="config.num_hidden_layers * config.num_attention_heads * config.head_dim",
+        bug="kv_bytes_per_token counts query heads (no GQA saving)",
+    ),
+    dict(
+        file="kv_connector.py",
+        find="config.head_dim * dtype.itemsize",
+        replace="config.head_dim * 4",
+        bug="kv_bytes_per_token assumes float32 whatever the dtype",
+    ),
+    dict(
+        file="kv_connector.py",
+        find="    finally:\n        engine.cache.release(handle)\n",
+        replace="    finally:\n        pass\n",
+        bug="save_kv never unlocks the prefix it copied (its slots stay held forever)",
+    ),
+    dict(
+        file="kv_connector.py",
+        find="    slots, handle = engine.cache.acquire(list(token_ids))",
+        replace="    slots, handle = engine.cache.acquire(list(token_ids)[:-1])",
+        bug="save_kv holds back the last token as admission does, losing the last page when the prompt is whole pages",
+    ),
+    dict(
+        file="kv_connector.py",
+        find="    prefix = list(token_ids[: len(slots)])",
+        replace="    prefix = list(token_ids)",
+        bug="save_kv's payload lists every prompt token, not just the cached prefix whose KV it carries",
+    ),
+    dict(
+        file="kv_connector.py",
+        find="        store.free_blocks += engine.cache.evict(n - len(store.free_blocks))\n",
+        replace="        pass\n",
+        bug="load_kv never evicts, so it refuses a payload that unused cached pages could make room for",
+    ),
+    dict(
+        file="kv_connector.py",
+        find="    store.free_blocks += duplicates\n",
+        replace="",
+        bug="load_kv leaks the slots of pages the cache already held",
+    ),
+    dict(
+        file="kv_connector.py",
+        find="    return n - len(duplicates)",
+        replace="    return n",
+        bug="load_kv counts pages the cache held already as loaded",
+    ),
+    dict(
+        file="kv_connector.py",
+        find="store.v[layer][index] = payload.v[layer][:n]",
+        replace="store.v[layer][index] = payload.k[layer][:n]",
+        bug="load_kv writes the keys into the value store",
+    ),
 ]
