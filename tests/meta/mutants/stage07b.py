@@ -400,6 +400,73 @@ MUTANTS = [
         replace="    return dollars_per_hour / 60 / tokens_per_second * 1e6",
         bug="cost divides the hourly price by 60 (per minute) instead of 3600",
     ),
+    # --- breaker / admission (lab3 §4-§5) ---
+    dict(
+        file="breaker.py",
+        find="            if self.failures >= self.failure_threshold:",
+        replace="            if self.failures > self.failure_threshold:",
+        bug="record_failure opens one failure late (threshold + 1 failures in a row)",
+    ),
+    dict(
+        file="breaker.py",
+        find="        self.state = CLOSED\n        self.failures = 0\n\n    def record_failure",
+        replace="        self.state = CLOSED\n\n    def record_failure",
+        bug="record_success closes the breaker but keeps counting old failures (they are no longer consecutive)",
+    ),
+    dict(
+        file="breaker.py",
+        find="        if self.state == HALF_OPEN:\n            self.state, self.opened_at = OPEN, now",
+        replace="        if self.state == HALF_OPEN:\n            self.state = OPEN",
+        bug="a failed probe reopens the breaker without restarting the cooldown (the next probe goes at once)",
+    ),
+    dict(
+        file="breaker.py",
+        find="        elif self.state == CLOSED:\n            self.failures += 1",
+        replace="        else:\n            self.failures += 1",
+        bug="a failure while open restarts the cooldown, so a replica that keeps failing is never probed",
+    ),
+    dict(
+        file="breaker.py",
+        find="            return True\n        return False",
+        replace="            return True\n        return self.state == HALF_OPEN",
+        bug="half-open lets every request through instead of one probe",
+    ),
+    dict(
+        file="breaker.py",
+        find="        if self.state == OPEN and now - self.opened_at >= self.cooldown:\n            self.state = HALF_OPEN\n            return True",
+        replace="        if self.state == OPEN and now - self.opened_at >= self.cooldown:\n            self.state = CLOSED\n            return True",
+        bug="after the cooldown the breaker closes without a probe",
+    ),
+    dict(
+        file="admission.py",
+        find="        prefill = (worker.queued_prefill_tokens + prompt_tokens) * self.prefill_s_per_token",
+        replace="        prefill = prompt_tokens * self.prefill_s_per_token",
+        bug="estimate_ttft ignores the prefill already queued on the replica",
+    ),
+    dict(
+        file="admission.py",
+        find="        return prefill + worker.outstanding * self.decode_s_per_request",
+        replace="        return prefill + worker.active_tokens * self.decode_s_per_request",
+        bug="estimate_ttft charges the decode cost per active token instead of per running request",
+    ),
+    dict(
+        file="admission.py",
+        find="        return best <= self.ttft_slo, best",
+        replace="        return best < self.ttft_slo, best",
+        bug="decide refuses a request whose estimate equals the SLO exactly",
+    ),
+    dict(
+        file="admission.py",
+        find='        best = min((self.estimate_ttft(w, prompt_tokens) for w in workers), default=float("inf"))',
+        replace='        best = max((self.estimate_ttft(w, prompt_tokens) for w in workers), default=float("inf"))',
+        bug="decide requires every replica to meet the SLO (the most loaded), not the best one",
+    ),
+    dict(
+        file="admission.py",
+        find='default=float("inf"))',
+        replace="default=0.0)",
+        bug="decide admits when no replica is healthy",
+    ),
     # --- kv_connector.py (lab5) ---
     dict(
         file="kv_connector.py",
