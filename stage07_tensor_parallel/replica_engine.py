@@ -72,6 +72,7 @@ class RadixPrefixCache:
 
     def __init__(self, page_size: int, emit: Callable[[str, list[int]], None]):
         self.tree, self.page_size, self.emit = RadixCache(page_size), page_size, emit
+        self.on_evict: Callable[[int, list[int]], None] | None = None  # (page hash, its slots), before they are freed
 
     def acquire(self, tokens: list[int]) -> tuple[list[int], object]:
         slots, node = self.tree.match_prefix(tokens)
@@ -91,7 +92,10 @@ class RadixPrefixCache:
     def evict(self, num_slots: int) -> list[int]:
         freed = []
         for e in self.tree.evict(num_slots):
-            self.emit("removed", page_hashes(e.key, self.page_size)[(len(e.key) - len(e.value)) // self.page_size :])
+            hashes = page_hashes(e.key, self.page_size)[(len(e.key) - len(e.value)) // self.page_size :]
+            self.emit("removed", hashes)
+            for i, h in enumerate(hashes if self.on_evict else ()):
+                self.on_evict(h, e.value[i * self.page_size : (i + 1) * self.page_size])
             freed += e.value
         return freed
 
@@ -117,6 +121,7 @@ class HashChainCache:
     def __init__(self, page_size: int, emit: Callable[[str, list[int]], None]):
         self.page_size, self.emit, self.clock = page_size, emit, 0
         self.pages: dict[int, list] = {}  # hash -> [slots, ref count, last use, depth]
+        self.on_evict: Callable[[int, list[int]], None] | None = None
 
     def acquire(self, tokens: list[int]) -> tuple[list[int], list[int]]:
         self.clock += 1
@@ -154,7 +159,10 @@ class HashChainCache:
         for *_, h in order:
             if len(freed) >= num_slots:
                 break
-            freed += self.pages.pop(h)[0]
+            slots = self.pages.pop(h)[0]
+            if self.on_evict:
+                self.on_evict(h, slots)
+            freed += slots
             removed.append(h)
         self.emit("removed", removed)
         return freed
@@ -215,6 +223,7 @@ class ReplicaEngine:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 256,
         on_kv_event: Callable[[KVEvent], None] | None = None,
+        kv_tiers=None,
     ):
         caches = {"radix": RadixPrefixCache, "hash": HashChainCache}
         if prefix_cache not in (*caches, "none"):
@@ -224,6 +233,11 @@ class ReplicaEngine:
         self.model, self.on_kv_event, self.page_size = model, on_kv_event, page_size
         self.store = paged.PagedKVStore(model, num_slots, 1)
         self.cache = caches[prefix_cache](page_size, self._emit) if prefix_cache in caches else NoPrefixCache()
+        self.kv_tiers = kv_tiers  # a kv_tiers.TieredKVStore: evicted pages go there, admissions look there
+        if kv_tiers is not None:
+            if prefix_cache == "none":
+                raise ValueError("kv_tiers needs a prefix cache to evict from and load into; use 'radix' or 'hash'")
+            self.cache.on_evict = self._offload
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -232,6 +246,7 @@ class ReplicaEngine:
         # prompt_tokens and cached_tokens count first admissions; prefill_tokens_computed also counts
         # what preempted requests compute again, so without preemption prefill + cached == prompt.
         self.counts = dict(prefill_tokens_computed=0, prompt_tokens=0, cached_tokens=0, preemptions=0)
+        self.counts["tier_loaded_tokens"] = 0  # of cached_tokens, those that came back from kv_tiers
 
     def _emit(self, kind: str, block_hashes: list[int]) -> None:
         if block_hashes and self.on_kv_event is not None:
@@ -332,6 +347,8 @@ class ReplicaEngine:
             seq = self.waiting[0]
             # keep at least the last token uncached: its logits give the first new token
             slots, handle = self.cache.acquire(seq.tokens[: len(seq.tokens) - 1])
+            if self.kv_tiers is not None:
+                slots, handle = self._load_from_tiers(seq.tokens[: len(seq.tokens) - 1], slots, handle)
             if len(seq.tokens) - len(slots) > len(self.store.free_blocks) + self.cache.evictable():
                 self.cache.release(handle)
                 return
@@ -365,6 +382,37 @@ class ReplicaEngine:
             victim.handle, victim.held = None, 0
             self.waiting.appendleft(victim)
             self.counts["preemptions"] += 1
+
+    def _offload(self, page_hash: int, slots: list[int]) -> None:
+        """An evicted page's K and V, (layers, page_size, KV heads, head_dim), to the tiers before its slots are reused."""
+        index = torch.tensor(slots)
+        k = torch.stack([layer[index] for layer in self.store.k])
+        self.kv_tiers.put(page_hash, k, torch.stack([layer[index] for layer in self.store.v]))
+
+    def _load_from_tiers(self, tokens: list[int], slots: list[int], handle) -> tuple[list[int], object]:
+        """Extend a cache hit with the pages that follow it along the hash chain and are in the tiers:
+        written into free slots (evicting from the cache if needed) and inserted into the cache."""
+        P, pages = self.page_size, []
+        for h in page_hashes(tokens, P)[len(slots) // P :]:
+            if (page := self.kv_tiers.get(h)) is None:
+                break
+            pages.append(page)
+        if len(pages) * P > len(self.store.free_blocks):
+            self.store.free_blocks += self.cache.evict(len(pages) * P - len(self.store.free_blocks))
+        pages = pages[: len(self.store.free_blocks) // P]
+        if not pages:
+            return slots, handle
+        new = [self.store.free_blocks.pop() for _ in range(len(pages) * P)]
+        index = torch.tensor(new)
+        for layer in range(len(self.store.k)):
+            self.store.k[layer][index] = torch.cat([k[layer] for k, _ in pages])
+            self.store.v[layer][index] = torch.cat([v[layer] for _, v in pages])
+        end = len(slots) + len(new)
+        self.store.free_blocks += self.cache.insert(tokens[:end], slots + new, len(slots))
+        self.counts["tier_loaded_tokens"] += len(new)
+        grown, grown_handle = self.cache.acquire(tokens[:end])
+        self.cache.release(handle)
+        return grown, grown_handle
 
     def _cache_prefill(self, seq: Sequence) -> None:
         """SGLang's cache_unfinished_req: once a prompt is computed its whole pages join the cache, so a
