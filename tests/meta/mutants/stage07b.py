@@ -528,4 +528,52 @@ MUTANTS = [
         replace="store.v[layer][index] = payload.k[layer][:n]",
         bug="load_kv writes the keys into the value store",
     ),
+    dict(
+        file="kv_tiers.py",
+        find="        if page_hash in self.ram:\n            self.ram.move_to_end(page_hash)\n            return\n",
+        replace="        if page_hash in self.ram:\n            return\n",
+        bug="put of a page already in RAM does not mark it as just used",
+    ),
+    dict(
+        file="kv_tiers.py",
+        find="        self.ram_used += k.nbytes + v.nbytes\n",
+        replace="        self.ram_used += k.nbytes\n",
+        bug="put counts only K's bytes, so RAM holds twice its bound",
+    ),
+    dict(
+        file="kv_tiers.py",
+        find="self.ram.popitem(last=False)",
+        replace="self.ram.popitem(last=True)",
+        bug="spill pushes out the most recently used page instead of the least",
+    ),
+    dict(
+        file="kv_tiers.py",
+        find="        self.ram_used -= k.nbytes + v.nbytes\n",
+        replace="",
+        bug="spill does not give back the bytes it freed, so RAM empties itself",
+    ),
+    dict(
+        file="kv_tiers.py",
+        find="            self.ram.move_to_end(page_hash)\n            self.stats[\"ram_hits\"] += 1\n",
+        replace="            self.stats[\"ram_hits\"] += 1\n",
+        bug="get of a RAM page does not mark it as just used",
+    ),
+    dict(
+        file="kv_tiers.py",
+        find="            except CorruptPage:\n                path.unlink()\n",
+        replace="            except CorruptPage:\n",
+        bug="get keeps a corrupted file on disk",
+    ),
+    dict(
+        file="kv_tiers.py",
+        find="            self.stats[\"disk_hits\"] += 1\n            self.put(page_hash, k, v)\n",
+        replace="            self.stats[\"disk_hits\"] += 1\n",
+        bug="get of a disk page does not bring it back to RAM",
+    ),
+    dict(
+        file="kv_tiers.py",
+        find="            path.unlink()\n            self.stats[\"disk_hits\"] += 1\n",
+        replace="            self.stats[\"disk_hits\"] += 1\n",
+        bug="get leaves a page on disk after bringing it back (it is in two tiers at once)",
+    ),
 ]
