@@ -139,6 +139,8 @@ def plot_tiers(rows: list[dict], pools: list[int]):
     for ax, label in ((axes[1], "hit rate"), (axes[2], "median TTFT (ms)")):
         ax.axvline(ws, color="gray", linestyle=":", label="working set")
         ax.set(xscale="log", xlabel="pool slots (tokens)", ylabel=label)
+        ax.set_xticks(pools, [str(p) for p in pools], minor=False)
+        ax.minorticks_off()
         ax.legend()
     fig.tight_layout()
     return fig

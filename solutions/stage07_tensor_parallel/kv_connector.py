@@ -121,7 +121,8 @@ def send_kv(payload: KVPayload, dst: int, group=None) -> int:
 
 def recv_kv(src: int, config, timeout_s: float = 10.0, group=None) -> KVPayload:
     """Receive a payload from rank src, checking its header against this model's config; TransferError
-    (saying what was wrong) on a timeout, a header that does not fit, or a stream that breaks off."""
+    (saying what was wrong) on a timeout, a header that does not fit, or a stream that breaks off.
+    After a timeout gloo has closed its channel to src: rebuild the group before the next transfer."""
 
     def recv(t: torch.Tensor, what: str) -> torch.Tensor:
         try:
