@@ -296,17 +296,19 @@ class RouterState:
             worker.breaker.record_failure(time.monotonic())
 
     async def watch(self, period: float = 0.1) -> None:
-        """Every `period`: a replica silent for dead_after seconds is dead (its requests are told to move);
-        one heard from again is alive; breakers due for a probe get it."""
+        """Every `period`: a replica silent for dead_after seconds is dead (its requests are told to move)
+        and each such check is a failure for its breaker; one heard from again is alive (and back in the
+        candidates once its breaker's probe has closed it); breakers due for a probe get it."""
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
             for name, w in self.workers.items():
                 silent = now - w.last_seen > self.dead_after
+                if silent:
+                    self.failed(w)  # each check counts: the breaker opens, and its probes tell when it is back
                 if w.alive and silent:
                     log.warning("replica %s (%s) sent nothing for %.1f s: dead", name, w.address, self.dead_after)
                     w.alive = False
-                    self.failed(w)
                     for flight in self.flights.values():
                         if flight.worker is w:
                             flight.queue.put_nowait({"type": "lost", "worker": name})
