@@ -179,7 +179,7 @@ def stream_chunks(fleet, body, on_chunk=None, timeout=60.0) -> tuple[str, list[d
 
 def kill_the_one_serving(fleet, killed: list[str]):
     def on_chunk(k):
-        if k == 5 and not killed:
+        if k == 3 and not killed:
             (flight,) = fleet.router.flights.values()
             killed.append(flight.worker.state.name)
             fleet.kill(killed[0])
