@@ -163,6 +163,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default=None, help="model folder (default: $MODEL, else the tiny target)")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--engine", default="{}", help='ReplicaEngine settings as JSON, e.g. {"num_slots": 512}')
+    ap.add_argument("--dead-after", type=float, default=3.0, help="seconds of silence after which a replica is dead")
     args = ap.parse_args(argv)
     fleet = Fleet(args.model, args.replicas, args.policy, **json.loads(args.engine))
     import uvicorn
@@ -173,7 +174,7 @@ def main(argv=None) -> None:
         app = create_app(
             fleet.addresses, checkpoint.load_tokenizer(fleet.folder), policy=args.policy,
             render_chat=chat_template(fleet.folder), eos_token_id=config.get("eos_token_id"),
-            model_name=fleet.folder.name,
+            model_name=fleet.folder.name, dead_after=args.dead_after,
         )  # fmt: skip
         print(f"{args.replicas} replicas at {', '.join(fleet.addresses)}; router on http://127.0.0.1:{args.port}")
         uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")

@@ -641,6 +641,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default=None, help="the folder of the replicas' model, for its tokenizer")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--dead-after", type=float, default=3.0, help="seconds of silence after which a replica is dead")
     args = ap.parse_args(argv)
     import uvicorn
 
@@ -648,7 +649,7 @@ def main(argv=None) -> None:
     config = checkpoint.read_config(folder)
     app = create_app(
         args.replica, checkpoint.load_tokenizer(folder), policy=args.policy, render_chat=chat_template(folder),
-        eos_token_id=config.get("eos_token_id"), model_name=Path(folder).name,
+        eos_token_id=config.get("eos_token_id"), model_name=Path(folder).name, dead_after=args.dead_after,
     )  # fmt: skip
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
