@@ -7,7 +7,7 @@ scheduling copies replica_engine.ReplicaEngine: first come first served admissio
 each running request's next chunk within max_num_batched_tokens (a prefill chunk, or one decode
 token), one padded forward per step. A routing policy from policies.py places every arrival, with the
 counters the router keeps. Prefix-cache hits are page-level and come from the trace's hash ids (its
-block size is the engine's page size): a replica holds the pages of the prompts it finished, LRU-bounded.
+block size is the engine's page size): a replica holds the pages of the prompts it has prefilled, LRU-bounded.
 
 What it leaves out, on purpose: preemption (the pool holds every running request), the generated
 tokens' pages (only prompts are cached), network and tokenizer time, and the router's own cost.
@@ -197,20 +197,22 @@ def simulate(
     def finish_step(k: int, now: float) -> None:
         rep = reps[k]
         for seq, chunk in rep.batch:
-            if seq.computed < seq.prompt:
+            prefilling = seq.computed < seq.prompt
+            if prefilling:
                 rep.prefill_tokens += chunk
             seq.computed += chunk
             if seq.computed < seq.prompt:
                 continue  # more prompt to come
-            result.token_times[seq.index].append(now)
-            seq.generated += 1
-            if seq.generated == seq.output:
-                rep.running.remove(seq)
-                for h in seq.hash_ids[: seq.prompt // page_size]:  # the prompt's full pages stay cached
+            if prefilling:  # the prompt's full pages are cached as its prefill ends, as the engine does
+                for h in seq.hash_ids[: seq.prompt // page_size]:
                     rep.cache[h] = None
                     rep.cache.move_to_end(h)
                 while len(rep.cache) > rep.cache_pages:
                     rep.cache.popitem(last=False)
+            result.token_times[seq.index].append(now)
+            seq.generated += 1
+            if seq.generated == seq.output:
+                rep.running.remove(seq)
                 request, worker = routed.pop(seq.index), workers[k]
                 worker.outstanding -= 1
                 worker.active_tokens -= len(request.token_ids) + request.max_tokens
