@@ -5,16 +5,22 @@
         fleet.stats()         # per replica: the engine's stats (prefill_tokens_computed, slots_in_use, ...)
 
     python -m stage07_tensor_parallel.fleet --replicas 4 --policy cache_aware --port 8000
+    python -m stage07_tensor_parallel.fleet --prefill 1 --decode 1      # disaggregated (lab5.ipynb §2)
 
 Each replica is `python -m <this package>.replica` in its own process (so the learner's or the reference
 code, whichever this module was loaded from), one torch thread each; they exit with this process. The
 router runs in this process, on a free port (labkit.serving). On other machines, start replica.py there
 and point router.py's CLI at their addresses instead.
+
+With prefill=P and decode=D (both at least 1) the fleet is P prefill replicas (w0 ...) and D decode
+replicas after them, instead of `replicas` whole ones; they form one torch.distributed group (gloo, a free
+port on this machine as its rendezvous, rank = the replica's number) over which the prompts' KV moves.
 """
 
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -45,14 +51,23 @@ class Fleet:
         breaker=None,
         admission=None,
         dead_after: float = 3.0,
+        prefill: int = 0,
+        decode: int = 0,
         **engine_settings,
     ):
+        if prefill or decode:
+            if prefill < 1 or decode < 1:
+                raise ValueError(
+                    f"a disaggregated fleet needs prefill >= 1 and decode >= 1, got {prefill} and {decode}"
+                )
+            replicas = prefill + decode
         if replicas < 1:
             raise ValueError(f"a fleet needs at least one replica, got replicas={replicas}")
         if policy not in POLICIES:
             raise ValueError(f"unknown routing policy {policy!r}; pick one of {', '.join(POLICIES)}")
         self.folder = Path(model_folder or checkpoint.model_folder())
         self.n, self.policy, self.policy_options = replicas, policy, policy_options
+        self.roles = ["prefill"] * prefill + ["decode"] * decode if prefill else ["both"] * replicas
         self.drop_events, self.start_timeout, self.engine_settings = drop_events, start_timeout, engine_settings
         self.router_faults = {"breaker": breaker, "admission": admission, "dead_after": dead_after}  # router.py
         self.procs: list[subprocess.Popen] = []
@@ -67,9 +82,16 @@ class Fleet:
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join(dict.fromkeys([str(base), str(ROOT)])),
         }
+        group = []
+        if "prefill" in self.roles:  # the P/D group's rendezvous: a port free now (rank 0 binds it)
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                group = ["--dist-init", f"tcp://127.0.0.1:{s.getsockname()[1]}", "--dist-world", str(self.n)]
         for i in range(self.n):
             cmd = [sys.executable, "-m", f"{package}.replica", "--model", str(self.folder), "--name", f"w{i}",
                    "--engine", json.dumps(self.engine_settings), "--parent-pid", str(os.getpid())]  # fmt: skip
+            if group:
+                cmd += ["--role", self.roles[i], "--dist-rank", str(i), *group]
             self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True, cwd=base))
         for proc in self.procs:  # each prints its ports once its model is loaded
             line = self._first_line(proc)
@@ -164,8 +186,11 @@ def main(argv=None) -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--engine", default="{}", help='ReplicaEngine settings as JSON, e.g. {"num_slots": 512}')
     ap.add_argument("--dead-after", type=float, default=3.0, help="seconds of silence after which a replica is dead")
+    ap.add_argument("--prefill", type=int, default=0, help="prefill replicas (with --decode: disaggregated)")
+    ap.add_argument("--decode", type=int, default=0, help="decode replicas (with --prefill: disaggregated)")
     args = ap.parse_args(argv)
-    fleet = Fleet(args.model, args.replicas, args.policy, **json.loads(args.engine))
+    fleet = Fleet(args.model, args.replicas, args.policy, prefill=args.prefill, decode=args.decode,
+                  **json.loads(args.engine))  # fmt: skip
     import uvicorn
 
     fleet.start_replicas()
@@ -176,7 +201,8 @@ def main(argv=None) -> None:
             render_chat=chat_template(fleet.folder), eos_token_id=config.get("eos_token_id"),
             model_name=fleet.folder.name, dead_after=args.dead_after,
         )  # fmt: skip
-        print(f"{args.replicas} replicas at {', '.join(fleet.addresses)}; router on http://127.0.0.1:{args.port}")
+        roles = ", ".join(f"{a} ({r})" for a, r in zip(fleet.addresses, fleet.roles, strict=True))
+        print(f"{fleet.n} replicas at {roles}; router on http://127.0.0.1:{args.port}")
         uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
     finally:
         fleet.stop_replicas()

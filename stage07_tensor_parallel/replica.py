@@ -13,7 +13,22 @@ ROUTER socket (a router's DEALER connects; replies go back to the socket that as
                                             or {"type": "error", "request_id", "message"} if the engine refuses it
     {"type": "abort", "request_id"}      frees the request's slots now; it ends with finish_reason "abort"
     {"type": "snapshot"}                 -> {"type": "snapshot", "worker", "seq", "block_hashes"}
-    {"type": "stats"}                    -> {"type": "stats", "worker", "stats": engine.stats + "finish_reasons"}
+    {"type": "stats"}                    -> {"type": "stats", "worker", "stats": engine.stats + "finish_reasons"
+                                             + the KV transfer counters below}
+
+Roles (prefill/decode disaggregation, lab5.ipynb §2). `--role both` (the default) serves whole requests.
+With `--dist-init tcp://HOST:PORT --dist-rank R --dist-world N` the replica joins a torch.distributed group
+(gloo) with the fleet's other prefill and decode replicas, and two more fields of "generate" apply:
+    "kv_to": rank      (a prefill replica) when the request finishes, save_kv its prompt and send_kv it
+                       to that rank; the router runs such a request with max_tokens 1
+    "kv_from": rank    (a decode replica) first recv_kv the prompt's KV from that rank and load_kv it, so
+                       the prompt hits the prefix cache and only its last token is computed; a transfer
+                       that fails (timeout, bad header, checksum) is answered by computing the prompt here
+A decode replica answers each "kv_from" with {"type": "transfer", "request_id", "ok", "error", "broken"}
+before the request's tokens; "broken" means gloo closed the channel (a timed-out receive): the router sends
+no more transfers over that pair. Counters in "stats": kv_bytes_sent, kv_transfers_sent (prefill side),
+kv_bytes_received, kv_transfers_loaded, kv_transfer_failures (decode side). A prefill replica whose
+save_kv fails sends a header no receiver accepts, so its peer recomputes at once instead of waiting.
 
 PUB socket: KV events {"worker", "seq", "kind": "stored" | "removed", "block_hashes"}, seq 1, 2, 3, ...;
 and every HEARTBEAT_S, between two steps, {"worker", "seq", "kind": "heartbeat"} with the last event's number,
@@ -29,6 +44,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from datetime import timedelta
 
 import torch
 import zmq
@@ -36,16 +52,22 @@ import zmq
 from labkit import checkpoint
 from labkit.model import from_pretrained
 
+from .kv_connector import HEADER, TransferError, load_kv, recv_kv, save_kv, send_kv
 from .replica_engine import EngineRequest, KVEvent, ReplicaEngine
 
 HEARTBEAT_S = 0.5
+TRANSFER_TIMEOUT_S = 10.0  # a decode replica's wait for a prompt's KV before it computes the prompt itself
 
 
 class Replica:
     """The engine and its sockets; run() is the serving loop (one thread: the engine is not thread-safe)."""
 
-    def __init__(self, engine: ReplicaEngine, name: str, page_size: int, host: str, port: int, pub_port: int):
+    def __init__(self, engine: ReplicaEngine, name: str, page_size: int, host: str, port: int, pub_port: int,
+                 role: str = "both", rank: int | None = None):  # fmt: skip
         self.engine, self.name, self.page_size = engine, name, page_size
+        self.role, self.rank = role, rank
+        self.sends: dict[str, tuple[int, list[int], str | None]] = {}  # request id -> (peer rank, prompt, fault)
+        self.transfers: Counter = Counter()  # kv_bytes_sent, kv_transfers_sent, kv_bytes_received, ...
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.pub = self.ctx.socket(zmq.PUB)
@@ -76,6 +98,8 @@ class Replica:
         kind = msg.get("type")
         if kind == "generate":
             rid = str(msg.get("request_id"))
+            if msg.get("kv_from") is not None:
+                self.receive(identity, rid, msg)
             try:
                 self.engine.add_request(
                     EngineRequest(
@@ -91,17 +115,20 @@ class Replica:
                 self.reply(identity, {"type": "error", "request_id": rid, "status": 400, "message": str(e)})
                 return
             self.owner[rid] = identity
+            if msg.get("kv_to") is not None:
+                self.sends[rid] = (int(msg["kv_to"]), list(msg["prompt"]), msg.get("fault"))
         elif kind == "abort":
             self.engine.abort(str(msg.get("request_id")))
         elif kind == "snapshot":
             hashes = sorted(self.engine.cached_block_hashes())
             self.reply(identity, {"type": "snapshot", "worker": self.name, "seq": self.seq, "block_hashes": hashes})
         elif kind == "stats":
-            stats = {**self.engine.stats, "finish_reasons": dict(self.finish_reasons)}
+            stats = {**self.engine.stats, **self.transfers, "finish_reasons": dict(self.finish_reasons)}
             self.reply(identity, {"type": "stats", "worker": self.name, "stats": stats})
         elif kind == "hello":
             limit = min(self.engine.store.num_blocks, self.engine.model.config.max_position_embeddings)
-            body = {"type": "hello", "worker": self.name, "pub_port": self.pub_port, "page_size": self.page_size}
+            body = {"type": "hello", "worker": self.name, "pub_port": self.pub_port, "page_size": self.page_size,
+                    "role": self.role, "rank": self.rank}  # fmt: skip
             self.reply(identity, {**body, "max_len": limit, "vocab_size": self.engine.model.config.vocab_size})
         else:
             self.reply(identity, {"type": "error", "request_id": None, "message": f"unknown message type {kind!r}"})
@@ -134,6 +161,46 @@ class Replica:
             self.reply(identity, body)
             if out.finished:
                 del self.owner[out.request_id]
+            if out.finished and out.request_id in self.sends:
+                self.send(out.request_id, out.finish_reason)
+
+    def send(self, rid: str, finish_reason: str) -> None:
+        """Ship a finished prefill's KV to its decode replica (the router told that one to receive it exactly
+        when this request finished with stop or length). Blocks until the peer has it: a transfer is a
+        few milliseconds here, and the engine must not change the slots while they are copied out."""
+        peer, prompt, fault = self.sends.pop(rid)
+        if finish_reason not in ("stop", "length"):
+            return  # aborted or failed: the router tells the decode side to compute the prompt
+        try:
+            payload = save_kv(self.engine, prompt) if fault is None else None
+        except Exception:  # noqa: BLE001 — e.g. an unfinished save_kv: the peer must not wait for nothing
+            payload = None
+        try:
+            if payload is not None:
+                self.transfers["kv_bytes_sent"] += send_kv(payload, peer)
+                self.transfers["kv_transfers_sent"] += 1
+            elif fault != "drop":  # a header with the wrong magic: the receiver refuses it and recomputes
+                torch.distributed.send(torch.zeros(HEADER, dtype=torch.int64), peer)
+        except Exception:  # noqa: BLE001 — a dead or timed-out peer: the decode side recomputes
+            self.transfers["kv_send_failures"] += 1
+
+    def receive(self, identity: bytes, rid: str, msg: dict) -> None:
+        """Receive and load a prompt's KV from rank msg["kv_from"] before the request is added; on any
+        failure the request simply computes its prompt (whatever load_kv cached stays valid: it is keyed
+        by tokens)."""
+        ok, error, broken = False, None, False
+        try:
+            payload = recv_kv(int(msg["kv_from"]), self.engine.model.config, msg.get("timeout", TRANSFER_TIMEOUT_S))
+            self.transfers["kv_bytes_received"] += payload.nbytes
+            load_kv(self.engine, payload)
+            ok = payload.token_ids == list(msg["prompt"])[: len(payload.token_ids)]
+            error = None if ok else "the KV that arrived belongs to another prompt"
+        except TransferError as e:
+            error, broken = str(e), "did not arrive" in str(e)
+        except Exception as e:  # noqa: BLE001 — e.g. an unfinished load_kv: recompute rather than fail
+            error = f"{type(e).__name__}: {e}"
+        self.transfers["kv_transfers_loaded" if ok else "kv_transfer_failures"] += 1
+        self.reply(identity, {"type": "transfer", "request_id": rid, "ok": ok, "error": error, "broken": broken})
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -180,14 +247,26 @@ def main(argv=None) -> None:
     ap.add_argument("--pub-port", type=int, default=0, help="the PUB socket's port (0: a free one)")
     ap.add_argument("--engine", default="{}", help='ReplicaEngine settings as JSON, e.g. {"num_slots": 512}')
     ap.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
+    ap.add_argument("--role", default="both", choices=["both", "prefill", "decode"], help="what this replica serves")
+    ap.add_argument("--dist-init", default=None, help="tcp://HOST:PORT of the P/D group's rank 0 (gloo)")
+    ap.add_argument("--dist-rank", type=int, default=None, help="this replica's rank in the P/D group")
+    ap.add_argument("--dist-world", type=int, default=None, help="how many replicas the P/D group has")
     args = ap.parse_args(argv)
+    if args.role != "both" and args.dist_init is None:
+        ap.error(f"--role {args.role} needs --dist-init, --dist-rank and --dist-world (the P/D group)")
     if args.parent_pid is not None:
         exit_with_parent(args.parent_pid)
     torch.set_num_threads(1)  # several replicas share this machine's cores
     settings = json.loads(args.engine)
     model = from_pretrained(args.model or checkpoint.model_folder()).float().eval()
     engine = ReplicaEngine(model, **settings)
-    replica = Replica(engine, args.name, settings.get("page_size", 16), args.host, args.port, args.pub_port)
+    if args.dist_init is not None:  # every replica of the group joins here, before any says it is ready
+        torch.distributed.init_process_group(
+            "gloo", init_method=args.dist_init, rank=args.dist_rank, world_size=args.dist_world,
+            timeout=timedelta(seconds=TRANSFER_TIMEOUT_S * 3),  # a send to a dead peer fails, not hangs
+        )  # fmt: skip
+    replica = Replica(engine, args.name, settings.get("page_size", 16), args.host, args.port, args.pub_port,
+                      args.role, args.dist_rank)  # fmt: skip
     print(json.dumps({"worker": args.name, "port": replica.port, "pub_port": replica.pub_port}), flush=True)
     replica.run()
 

@@ -24,6 +24,17 @@ replica a circuit breaker fed by its failures (timeouts, replica errors, death);
 is not closed is out of the candidates, and a stats request is the half-open probe. `admission`
 (admission.AdmissionControl) answers 429 with Retry-After when no healthy replica can start a new request
 within its TTFT SLO. Both are off unless given.
+
+Disaggregated prefill and decode (lab5.ipynb §2). When some replicas say hello with role "prefill", the
+router runs each new request in two legs: the least-busy prefill replica computes the prompt (max_tokens 1)
+and, as it finishes, sends the prompt's KV over torch.distributed to the decode replica the policy picked;
+that replica is told to receive it ("kv_from"), loads it into its prefix cache and streams the whole answer
+(the prefill's one token is computed again there from the cached prompt, as vLLM's P/D proxy does). The
+transfer is honest about failure: a decode replica that gets a bad, short or late payload computes the
+prompt itself, and a pair whose gloo channel closed (a timed-out receive) gets no more transfers: its
+requests go straight to decode. A request that moves off a dead replica is recomputed, not transferred.
+`RouterState.transfer_faults` is a test hook: each entry ("garble": a header no receiver accepts, "drop":
+nothing sent) breaks the next transfer.
 """
 
 import argparse
@@ -139,6 +150,8 @@ class Worker:
     last_seen: float = field(default_factory=time.monotonic)  # when it last sent anything (heartbeats too)
     alive: bool = True  # heard from within dead_after seconds
     breaker: object = None  # a breaker.CircuitBreaker, or None (no breaker)
+    role: str = "both"  # "prefill" replicas only compute prompts and send their KV to "decode" ones
+    rank: int | None = None  # its rank in the P/D group (torch.distributed)
 
 
 @dataclass
@@ -158,6 +171,7 @@ class Flight:
     ended: bool = False  # finished or refused on its replica: nothing to abort there
     booked: bool = False  # counted in its worker's WorkerState (dispatch_to until release)
     moves: int = 0
+    pair: tuple[str, str] | None = None  # (prefill, decode) replica names while its KV transfer is pending
 
 
 class RouterState:
@@ -177,6 +191,10 @@ class RouterState:
         self.breaker, self.admission = breaker, admission  # a CircuitBreaker factory; an AdmissionControl
         self.dead_after, self.probe_timeout = dead_after, probe_timeout
         self.moved = self.rejected = 0  # requests moved off a dead replica; requests answered 429
+        self.prefills: dict[str, tuple[Worker, asyncio.Future]] = {}  # request id -> its prefill leg's reply
+        self.broken_pairs: set[tuple[str, str]] = set()  # (prefill, decode) pairs whose channel is closed
+        self.transfer_faults: list[str] = []  # test hook: "garble" or "drop" breaks the next transfer
+        self.transfers = {"ok": 0, "failed": 0}  # as the decode replicas report them
 
     async def start(self, timeout: float = 30.0) -> None:
         sub = self.ctx.socket(zmq.SUB)
@@ -192,7 +210,8 @@ class RouterState:
             name = hello["worker"]
             if name in self.workers:
                 raise ValueError(f"two replicas are named {name!r} ({address}); start each with its own --name")
-            worker = Worker(address, sock, WorkerState(name), hello["page_size"], hello["max_len"])
+            worker = Worker(address, sock, WorkerState(name), hello["page_size"], hello["max_len"],
+                            role=hello.get("role", "both"), rank=hello.get("rank"))  # fmt: skip
             worker.breaker = self.breaker() if self.breaker else None
             self.workers[name] = worker
             sub.connect(f"{address.rsplit(':', 1)[0]}:{hello['pub_port']}")
@@ -200,6 +219,9 @@ class RouterState:
         if len(page_sizes) > 1:
             raise ValueError(f"replicas use different page sizes {sorted(page_sizes)}; start them alike")
         self.page_size = page_sizes.pop()
+        roles = {w.role for w in self.workers.values()}
+        if "prefill" in roles and "decode" not in roles:
+            raise ValueError("the fleet has prefill replicas but no decode replica to send their KV to")
         self.max_len = min(w.max_len for w in self.workers.values())
         self.vocab_size = hello["vocab_size"]  # the model's, which may exceed the tokenizer's
         self.policy = make_policy(self.policy_name, self.index, self.page_size, **self.policy_options)
@@ -221,7 +243,20 @@ class RouterState:
             msg = await worker.sock.recv_json()
             worker.last_seen = time.monotonic()
             kind = msg.get("type")
-            if kind in ("token", "error"):
+            leg = self.prefills.get(msg.get("request_id"))
+            if kind in ("token", "error") and leg is not None and leg[0] is worker:
+                if not leg[1].done():
+                    leg[1].set_result(msg)
+            elif kind == "transfer":
+                flight = self.flights.get(msg.get("request_id"))
+                self.transfers["ok" if msg["ok"] else "failed"] += 1
+                if not msg["ok"]:
+                    log.warning(
+                        "KV transfer for %s failed, decode computes the prompt: %s", msg["request_id"], msg["error"]
+                    )
+                if msg["broken"] and flight is not None and flight.pair is not None:
+                    self.broken_pairs.add(flight.pair)
+            elif kind in ("token", "error"):
                 flight = self.flights.get(msg.get("request_id"))
                 if flight is not None and flight.worker is worker:  # not a replica it has moved away from
                     self.first_token(flight)
@@ -309,6 +344,9 @@ class RouterState:
                 if w.alive and silent:
                     log.warning("replica %s (%s) sent nothing for %.1f s: dead", name, w.address, self.dead_after)
                     w.alive = False
+                    for worker, future in self.prefills.values():
+                        if worker is w and not future.done():
+                            future.set_result({"type": "lost", "worker": name})
                     for flight in self.flights.values():
                         if flight.worker is w:
                             flight.queue.put_nowait({"type": "lost", "worker": name})
@@ -345,14 +383,46 @@ class RouterState:
         """Send `flight` (its prompt plus the tokens it received, for what is left of max_tokens) to the
         worker the policy picks among the candidates; False when there is none."""
         workers = self.candidates(exclude)
+        prefill = [w for w in workers if w.role == "prefill"]
+        workers = [w for w in workers if w.role != "prefill"]
         if not workers:
             return False
         ids = flight.prompt + flight.tokens
         routed = RoutedRequest(flight.rid, ids, flight.session, flight.max_tokens - len(flight.tokens),
                                page_hashes(ids, self.page_size))  # fmt: skip
         worker = workers[self.policy.choose(routed, [w.state for w in workers])]
-        await worker.sock.send_json(self.dispatch_to(flight, worker, routed))
+        msg = self.dispatch_to(flight, worker, routed)
+        if prefill and exclude is None:  # a new request; one that moves is recomputed where it lands
+            await self.prefill_leg(flight, prefill, worker, msg)
+        await worker.sock.send_json(msg)
         return True
+
+    async def prefill_leg(self, flight: Flight, prefill: list[Worker], decode: Worker, msg: dict,
+                          timeout: float = 60.0) -> None:  # fmt: skip
+        """Run the prompt on a prefill replica, which then sends its KV to `decode`; on success tell the
+        decode side to receive it (msg["kv_from"]). Whatever fails here, `decode` computes the prompt."""
+        worker = min(prefill, key=lambda w: w.state.outstanding)
+        if (worker.state.name, decode.state.name) in self.broken_pairs:
+            return
+        future = asyncio.get_running_loop().create_future()
+        self.prefills[flight.rid] = (worker, future)
+        worker.state.outstanding += 1
+        fault = self.transfer_faults.pop(0) if self.transfer_faults else None
+        body = {**msg, "max_tokens": 1, "kv_to": decode.rank, "fault": fault}
+        reply = None
+        try:
+            await worker.sock.send_json(body)
+            reply = await asyncio.wait_for(future, timeout)
+        except TimeoutError:
+            with contextlib.suppress(zmq.Again):
+                await worker.sock.send_json({"type": "abort", "request_id": flight.rid}, zmq.NOBLOCK)
+        finally:
+            self.prefills.pop(flight.rid, None)
+            worker.state.outstanding -= 1
+        # the prefill replica sends exactly when its request finished this way: the decode side must receive
+        if reply and reply["type"] == "token" and reply["finished"] and reply["finish_reason"] in ("stop", "length"):
+            msg["kv_from"] = worker.rank
+            flight.pair = (worker.state.name, decode.state.name)
 
     async def move(self, flight: Flight) -> bool:
         """Its replica died: continue it elsewhere from the tokens received so far."""
@@ -479,7 +549,11 @@ def create_app(
         stop = [] if req.ignore_eos or eos_token_id is None else [eos_token_id]
         params = {"temperature": req.temperature, "seed": req.seed, "stop_token_ids": stop}
         flight = fleet.flights[rid] = Flight(rid, ids, req.max_tokens, params, req.user, asyncio.Queue())
-        await fleet.route(flight)  # a candidate exists: nothing was awaited since the check
+        if not await fleet.route(flight):  # only prefill replicas are left
+            fleet.flights.pop(rid)
+            return error(
+                503, "no healthy decode replica: every one is dead or has its circuit breaker open; retry later"
+            )
 
         def done() -> None:
             """The request ended (finished, failed, or its client left): the router's books close once."""
