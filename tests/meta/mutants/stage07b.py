@@ -576,4 +576,47 @@ MUTANTS = [
         replace="            self.stats[\"disk_hits\"] += 1\n",
         bug="get leaves a page on disk after bringing it back (it is in two tiers at once)",
     ),
+    # --- planner.py (lab5 §4) ---
+    dict(
+        file="planner.py",
+        find="    return min(prefill * prefill_goodput, decode * decode_goodput)",
+        replace="    return max(prefill * prefill_goodput, decode * decode_goodput)",
+        bug="split_goodput takes the faster pool's capacity, as if requests needed only one phase",
+    ),
+    dict(
+        file="planner.py",
+        find="    for p in range(1, gpus):",
+        replace="    for p in range(1, gpus - 1):",
+        bug="best_split never tries a single decode instance",
+    ),
+    dict(
+        file="planner.py",
+        find="        if best is None or g > best.goodput:",
+        replace="        if best is None or g >= best.goodput:",
+        bug="best_split breaks ties toward the most prefill instances",
+    ),
+    dict(
+        file="planner.py",
+        find="            best = Split(p, gpus - p, g)",
+        replace="            best = Split(p, gpus - p, g / gpus)",
+        bug="best_split reports per-GPU goodput as the fleet's goodput",
+    ),
+    dict(
+        file="planner.py",
+        find="math.ceil(rate / g * (1 - 1e-12))",
+        replace="math.ceil(rate / g)",
+        bug="min_instances adds an instance when rate / goodput lands a rounding error above a whole number",
+    ),
+    dict(
+        file="planner.py",
+        find="math.ceil(rate / g * (1 - 1e-12))",
+        replace="int(rate / g) + 1",
+        bug="min_instances adds a spare instance when the rate is an exact multiple of the goodput",
+    ),
+    dict(
+        file="planner.py",
+        find="for g in (prefill_goodput, decode_goodput))",
+        replace="for g in (decode_goodput, prefill_goodput))",
+        bug="min_instances sizes each pool by the other phase's goodput",
+    ),
 ]
