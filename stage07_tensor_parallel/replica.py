@@ -195,8 +195,9 @@ class Replica:
             load_kv(self.engine, payload)
             ok = payload.token_ids == list(msg["prompt"])[: len(payload.token_ids)]
             error = None if ok else "the KV that arrived belongs to another prompt"
-        except TransferError as e:
-            error, broken = str(e), "did not arrive" in str(e)
+        except TransferError as e:  # a bad header or checksum leaves the channel open; a failed wait closes it
+            error = str(e)
+            broken = not error.startswith("malformed") and "checksum" not in error
         except Exception as e:  # noqa: BLE001 — e.g. an unfinished load_kv: recompute rather than fail
             error = f"{type(e).__name__}: {e}"
         self.transfers["kv_transfers_loaded" if ok else "kv_transfer_failures"] += 1

@@ -194,6 +194,7 @@ class RouterState:
         self.prefills: dict[str, tuple[Worker, asyncio.Future]] = {}  # request id -> its prefill leg's reply
         self.broken_pairs: set[tuple[str, str]] = set()  # (prefill, decode) pairs whose channel is closed
         self.transfer_faults: list[str] = []  # test hook: "garble" or "drop" breaks the next transfer
+        self.transfer_timeout = 10.0  # seconds a decode replica waits for a prompt's KV before computing it
         self.transfers = {"ok": 0, "failed": 0}  # as the decode replicas report them
 
     async def start(self, timeout: float = 30.0) -> None:
@@ -421,7 +422,7 @@ class RouterState:
             worker.state.outstanding -= 1
         # the prefill replica sends exactly when its request finished this way: the decode side must receive
         if reply and reply["type"] == "token" and reply["finished"] and reply["finish_reason"] in ("stop", "length"):
-            msg["kv_from"] = worker.rank
+            msg["kv_from"], msg["timeout"] = worker.rank, self.transfer_timeout
             flight.pair = (worker.state.name, decode.state.name)
 
     async def move(self, flight: Flight) -> bool:

@@ -134,3 +134,29 @@ def test_a_broken_transfer_recomputes_and_the_next_one_still_moves(fleet, model,
         f"seed={seed}: after a failed transfer the next one did not serve decode's cache ({computed} computed)"
     )
     assert p2["slots_in_use"] == d2["slots_in_use"] == 0, f"slots still in use: prefill {p2}, decode {d2}"
+
+
+def test_a_transfer_that_never_comes_times_out_and_the_pair_is_not_used_again(fleet, model):
+    """Last in this file: a transfer that works, then one where the prefill replica sends nothing: decode
+    gives up after the timeout and computes the prompt; gloo has closed that pair's channel, so the next
+    request goes straight to decode. Nobody hangs, the outputs are unchanged, no slot stays in use."""
+    seed, n = 23, 5
+    rng = random.Random(seed)
+    ok, first, second = ([rng.randrange(3, VOCAB) for _ in range(rng.randrange(12, 30))] for _ in range(3))
+    tok = checkpoint.load_tokenizer(labkit.TARGET)
+    assert complete(fleet, ok, n, stream=False) == tok.decode(greedy(model, ok, n)), f"seed={seed}: output"
+    p0, d0 = counters(fleet)
+    loaded = d0.get("kv_transfers_loaded", 0)
+    fleet.router.transfer_timeout = 1.0
+    fleet.router.transfer_faults.append("drop")
+    for prompt in (first, second):
+        got = complete(fleet, prompt, n, stream=False)
+        assert got == tok.decode(greedy(model, prompt, n)), f"seed={seed}: output after a transfer timed out"
+    p1, d1 = counters(fleet)
+    assert loaded and d1.get("kv_transfers_loaded", 0) == loaded, f"seed={seed}: transfers loaded {loaded} -> {d1}"
+    computed = d1["prefill_tokens_computed"] - d0["prefill_tokens_computed"]
+    assert computed == len(first) + len(second), f"seed={seed}: decode computed {computed} prompt tokens"
+    served = p1["prompt_tokens"] - p0["prompt_tokens"]
+    assert served == len(first), f"seed={seed}: the prefill replica saw {served} prompt tokens, only the first's"
+    assert fleet.router.broken_pairs == {("w0", "w1")}, f"broken pairs {fleet.router.broken_pairs}"
+    assert p1["slots_in_use"] == d1["slots_in_use"] == 0, f"slots still in use: prefill {p1}, decode {d1}"
