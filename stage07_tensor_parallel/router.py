@@ -194,7 +194,9 @@ class RouterState:
         self.prefills: dict[str, tuple[Worker, asyncio.Future]] = {}  # request id -> its prefill leg's reply
         self.broken_pairs: set[tuple[str, str]] = set()  # (prefill, decode) pairs whose channel is closed
         self.transfer_faults: list[str] = []  # test hook: "garble" or "drop" breaks the next transfer
-        self.transfer_timeout = 10.0  # seconds a decode replica waits for a prompt's KV before computing it
+        # seconds a decode replica waits for a prompt's KV before computing it: it cannot heartbeat meanwhile,
+        # so well under dead_after (a transfer on one machine takes milliseconds)
+        self.transfer_timeout = dead_after / 2
         self.transfers = {"ok": 0, "failed": 0}  # as the decode replicas report them
 
     async def start(self, timeout: float = 30.0) -> None:
@@ -677,10 +679,10 @@ def create_app(
                 {"name": name, "address": w.address, "served": w.served, "outstanding": s.outstanding, "active_tokens": s.active_tokens,
                  "engine": engine, "index_blocks": len(fleet.index.blocks.get(name, ())),
                  "index_seq": fleet.index.seq.get(name, 0), "index_stale": name in fleet.index.needs_snapshot(),
-                 "alive": w.alive, "breaker": w.breaker.state if w.breaker else None}
+                 "alive": w.alive, "breaker": w.breaker.state if w.breaker else None, "role": w.role}
             )  # fmt: skip
         return {"policy": fleet.policy.name, "dropped_events": fleet.dropped, "moved": fleet.moved,
-                "rejected": fleet.rejected, "workers": out}  # fmt: skip
+                "rejected": fleet.rejected, "kv_transfers": fleet.transfers, "workers": out}  # fmt: skip
 
     return app
 
