@@ -160,3 +160,22 @@ def test_a_transfer_that_never_comes_times_out_and_the_pair_is_not_used_again(fl
     assert served == len(first), f"seed={seed}: the prefill replica saw {served} prompt tokens, only the first's"
     assert fleet.router.broken_pairs == {("w0", "w1")}, f"broken pairs {fleet.router.broken_pairs}"
     assert p1["slots_in_use"] == d1["slots_in_use"] == 0, f"slots still in use: prefill {p1}, decode {d1}"
+
+
+def test_a_dead_prefill_replica_leaves_decode_serving_alone(fleet, model):
+    """Last of all: kill -9 the prefill replica, then ask at once. The router waits for its prefill leg until
+    the replica is called dead, then decode computes the prompt itself: same output, nobody hangs."""
+    seed, n = 24, 5
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(12, 30))] for _ in range(2)]
+    tok = checkpoint.load_tokenizer(labkit.TARGET)
+    _, d0 = counters(fleet)
+    fleet.router.broken_pairs.clear()  # the test before closed the pair: here the router must try w0 again
+    fleet.kill("w0")
+    for i, prompt in enumerate(prompts):
+        got = complete(fleet, prompt, n, stream=bool(i))
+        assert got == tok.decode(greedy(model, prompt, n)), f"seed={seed}, prompt {i}: output without a prefill replica"
+    (d1,) = fleet.wait_idle()  # the dead replica is left out
+    computed = d1["prefill_tokens_computed"] - d0["prefill_tokens_computed"]
+    assert computed == sum(map(len, prompts)), f"seed={seed}: decode computed {computed} prompt tokens"
+    assert d1["slots_in_use"] == 0, f"slots still in use on decode: {d1}"
