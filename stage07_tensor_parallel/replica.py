@@ -142,6 +142,7 @@ class Replica:
                 body = {"type": "error", "request_id": rid, "status": 500, "message": f"the engine failed: {e}"}
                 self.reply(identity, body)
             self.owner.clear()
+            self.sends.clear()  # their prefills failed: the router has the decode side compute the prompts
             self.engine.step()  # reports the aborts, which nobody awaits any more
             return
         for out in outs:
