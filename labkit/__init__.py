@@ -18,14 +18,20 @@ STAGES = {
     "02": ("stage02_kv_cache", "KV cache, GQA, memory math, cached decode"),
     "02b": ("stage02_kv_cache", "Multi-head Latent Attention, attention sinks and H2O eviction"),
     "03": ("stage03_quantization", "INT8, INT4, NF4, FP8, GPTQ, AWQ, SmoothQuant"),
-    "03b": ("stage03_quantization", "llama.cpp's Q8_0, Q4_0, Q4_K, Q6_K, a GGUF file it runs, and a GGUF read back into HF"),
+    "03b": (
+        "stage03_quantization",
+        "llama.cpp's Q8_0, Q4_0, Q4_K, Q6_K, a GGUF file it runs, and a GGUF read back into HF",
+    ),
     "04": ("stage04_batching", "paged KV cache, prefix caching, continuous batching, streaming server"),
     "04b": ("stage04_batching", "Structured output and multi-LoRA serving"),
     "05": ("stage05_flashattention", "online softmax, FlashAttention and decode kernels in Triton"),
     "06": ("stage06_speculative", "speculative decoding, rejection sampling, prompt lookup"),
     "06b": ("stage06_speculative", "Speculation in a batching engine, Medusa heads"),
     "07": ("stage07_tensor_parallel", "column/row-parallel layers, a tensor-parallel model"),
-    "07b": ("stage07_tensor_parallel", "A fleet behind one endpoint: a radix prefix cache, routing policies, goodput under an SLO"),
+    "07b": (
+        "stage07_tensor_parallel",
+        "A fleet behind one endpoint: a radix prefix cache, routing policies, goodput under an SLO",
+    ),
 }
 
 

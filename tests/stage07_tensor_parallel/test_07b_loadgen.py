@@ -48,7 +48,9 @@ def test_gamma_arrivals_keep_the_rate_and_set_the_variability(impl, burstiness):
     seed = int(burstiness * 100)
     rate = float(np.random.default_rng(seed).uniform(0.2, 30))
     times = loadgen.gamma_arrivals(rate, burstiness, N, seed)
-    _check_moments(times, rate, 1 / burstiness, f"gamma_arrivals(rate={rate:.3f}, burstiness={burstiness}, seed={seed})")
+    _check_moments(
+        times, rate, 1 / burstiness, f"gamma_arrivals(rate={rate:.3f}, burstiness={burstiness}, seed={seed})"
+    )
 
 
 def test_arrivals_are_reproducible_per_seed_and_refuse_bad_rates(impl):

@@ -157,6 +157,8 @@ def test_cost_per_million_tokens(impl, seed):
     price, rate = float(rng.uniform(0.05, 10)), float(rng.uniform(1, 5000))
     want = price / (rate * 3600) * 1_000_000  # dollars per hour / tokens per hour, per million
     got = slo.cost_per_million_tokens(price, rate)
-    assert math.isclose(got, want, rel_tol=1e-12), f"seed={seed}: ${price:.3f}/h at {rate:.1f} tok/s: {got}, want {want}"
+    assert math.isclose(got, want, rel_tol=1e-12), (
+        f"seed={seed}: ${price:.3f}/h at {rate:.1f} tok/s: {got}, want {want}"
+    )
     with pytest.raises(ValueError):
         slo.cost_per_million_tokens(price, 0.0)
