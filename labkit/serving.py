@@ -1,6 +1,8 @@
-"""A live server for tests, notebooks and the load test: uvicorn on a free loopback port, and the
-fault hook that makes a chosen request fail inside the engine (serve --fault-marker)."""
+"""A live server for tests, notebooks and the load test: uvicorn on a free loopback port, the fault
+hook that makes a chosen request fail inside the engine (serve --fault-marker), and the wait that
+cancels a request's work when its client disconnects (stage 04's server and stage 07's router)."""
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -40,3 +42,22 @@ def serving(app, timeout: float = 30.0):
     finally:
         server.should_exit = True
         thread.join(timeout)
+
+
+async def until_disconnected(request, work):
+    """Await `work`, or cancel it and return None if the client disconnects first (vLLM's
+    with_cancellation): the body has been read, so the next ASGI message is the disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task.done() and not task.cancelled() else None

@@ -25,6 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import Template, TemplateError
 from pydantic import ValidationError
 
+from labkit.serving import until_disconnected
+
 from .async_engine import AsyncEngine, EngineError, QueueFull, stream_events
 from .byte_dfa import compile_regex
 from .engine import LLMEngine, RequestOutput, sibling_ids
@@ -321,22 +323,3 @@ async def merge_streams(streams: list[AsyncIterator[str]], reply: ResponseBuilde
     finally:
         for task in tasks:
             task.cancel()
-
-
-async def until_disconnected(request: Request, work):
-    """Await `work`, or cancel it and return None if the client disconnects first (vLLM's
-    with_cancellation): the body has been read, so the next ASGI message is the disconnect."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    return task.result() if task.done() and not task.cancelled() else None

@@ -59,6 +59,8 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from labkit.serving import until_disconnected
+
 from .kv_index import KVAware, KVIndex
 from .policies import (
     CacheAware,
@@ -689,24 +691,6 @@ def create_app(
 
 def sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
-
-
-async def until_disconnected(request: Request, work):
-    """Await `work`, or cancel it and return None when the client disconnects first."""
-    task = asyncio.ensure_future(work)
-
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    return task.result() if task.done() and not task.cancelled() else None
 
 
 def main(argv=None) -> None:
