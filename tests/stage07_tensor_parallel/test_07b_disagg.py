@@ -10,11 +10,10 @@ import random
 
 import httpx
 import pytest
-import torch
+from stage07_helpers import greedy
 
 import labkit
 from labkit import checkpoint
-from labkit.device import pin_threads
 from labkit.model import from_pretrained
 
 pytestmark = [pytest.mark.dist, pytest.mark.in_process("the test reads the router's state in this process")]
@@ -34,15 +33,6 @@ def fleet(impl):
 @pytest.fixture(scope="module")
 def model():
     return from_pretrained(labkit.TARGET).eval()
-
-
-@torch.no_grad()
-def greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with pin_threads(1):  # the replicas use the other core
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def kv_bytes_per_token_by_hand(folder) -> int:

@@ -9,11 +9,10 @@ import random
 
 import httpx
 import pytest
-import torch
+from stage07_helpers import greedy
 
 import labkit
 from labkit import checkpoint
-from labkit.device import pin_threads
 from labkit.model import from_pretrained
 
 FLEET = "stage07_tensor_parallel.fleet"
@@ -91,15 +90,6 @@ def fleet(impl):
 @pytest.fixture(scope="module")
 def model():
     return from_pretrained(labkit.TARGET).eval()
-
-
-@torch.no_grad()
-def greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with pin_threads(1):  # the replicas use the other core
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def alive(fleet) -> list[str]:

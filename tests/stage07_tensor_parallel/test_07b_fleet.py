@@ -11,11 +11,10 @@ import time
 
 import httpx
 import pytest
-import torch
+from stage07_helpers import greedy
 
 import labkit
 from labkit import checkpoint
-from labkit.device import pin_threads
 from labkit.model import from_pretrained
 from labkit.serving import serving
 
@@ -42,15 +41,6 @@ def model():
 @pytest.fixture(scope="module")
 def tokenizer():
     return checkpoint.load_tokenizer(labkit.TARGET)
-
-
-@torch.no_grad()
-def greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
-    with pin_threads(1):  # the replicas use the other core
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def post(fleet, path, body, timeout=60.0):
