@@ -265,7 +265,7 @@ class RouterState:
                 flight = self.flights.get(msg.get("request_id"))
                 if flight is not None and flight.worker is worker:  # not a replica it has moved away from
                     self.first_token(flight)
-                    flight.queue.put_nowait(msg)
+                    flight.queue.put_nowait({**msg, "via": worker})
             elif kind == "snapshot":
                 self.snapshot_asked.discard(msg["worker"])
                 with self.guard("KVIndex.apply_snapshot"):
@@ -601,6 +601,8 @@ def create_app(
             except TimeoutError:
                 fleet.failed(flight.worker)
                 return {"type": "error", "status": 504, "message": f"no token from the replica for {request_timeout} s"}
+            if msg.get("via", flight.worker) is not flight.worker:
+                continue  # queued by a replica this request moved away from (a slow one taken for dead)
             if msg["type"] == "lost":
                 if await fleet.move(flight):
                     continue
