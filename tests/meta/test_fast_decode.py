@@ -9,7 +9,15 @@ from labkit import TARGET, checkpoint
 from labkit.device import has_gpu
 from labkit.fast_decode import StaticDecoder, int4_matmul, quantize_int4
 from labkit.model import Config, Llama, from_pretrained, init_weights
-from labkit.testing import LLAMA_CONFIGS, labkit_from_hf, random_llama, random_tokens, real_ids, real_labkit
+from labkit.testing import (
+    LLAMA_CONFIGS,
+    assert_argmax_within,
+    labkit_from_hf,
+    random_llama,
+    random_tokens,
+    real_ids,
+    real_labkit,
+)
 
 
 def decode_both(model: Llama, backend: str, seed: int, batch: int = 2, prompt: int = 6, steps: int = 8, device="cpu"):
@@ -140,7 +148,8 @@ def test_quantized_step_equals_dequantized_weights_on_the_target(weights):
     model = from_pretrained(TARGET).eval()
     got, want, fp32 = quantized_logits(model, weights, random_tokens(seed, 14, model.config.vocab_size, 2), 6)
     check_quantized(got, want, fp32, weights, f"seed={seed}")
-    assert (got.argmax(-1) == want.argmax(-1)).all(), f"seed={seed} {weights}: greedy tokens differ from dequantized"
+    err = (got - want).abs().max().item()  # bounded by check_quantized; a near-tie may still flip
+    assert_argmax_within(got, want, 2 * err, f"seed={seed} {weights}: packed against dequantized")
 
 
 @pytest.mark.parametrize(("out", "inp", "group_size"), [(48, 96, 32), (80, 160, 32), (112, 320, 64)])
@@ -161,14 +170,24 @@ def test_int4_matmul_equals_dequantized_weights(out, inp, group_size):
 @pytest.mark.slow
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_quantized_step_on_the_real_model(weights):
+    """On SmolLM2 the packed kernels stay within a small fraction of the quantization error of the
+    dequantized model, and each greedy token is one the dequantized model could pick within that error.
+
+    Exact argmax equality is not asserted: at int4, 30 layers of bfloat16 roundings fall apart where
+    float32 sums differ in their last bit, which depends on the kernels PyTorch picks for the CPU
+    (an AVX2-only machine flipped a near-tie 0.125 apart). A wrong group scale or a swapped nibble
+    moves the logits by the size of the quantization error itself, far past the bound."""
     model = real_labkit()
     got, want, fp32 = quantized_logits(model, weights, real_ids(12)[None], 8)
     if weights == "int8":
         check_quantized(got, want, fp32, weights, "REAL_TEXT")
-    else:  # 30 layers of bfloat16 roundings that fall apart where float32 sums differ in their last bit
-        err, quant_err = (got - want).abs().mean().item(), (fp32 - want).abs().mean().item()
-        assert err < quant_err / 4, f"REAL_TEXT int4: mean |packed - dequantized| {err:.3f}, vs fp32 {quant_err:.3f}"
-    assert (got.argmax(-1) == want.argmax(-1)).all(), f"REAL_TEXT {weights}: greedy tokens differ from dequantized"
+    err, quant_err = (got - want).abs(), (fp32 - want).abs()
+    assert err.mean() < quant_err.mean() / 4, (
+        f"REAL_TEXT {weights}: mean |packed - dequantized| {err.mean():.3f}, vs fp32 {quant_err.mean():.3f}"
+    )
+    bound = quant_err.max().item() / 4  # an error scale set by the reference paths, not by the kernels
+    assert err.max() < bound, f"REAL_TEXT {weights}: max |packed - dequantized| {err.max():.3f} > {bound:.3f}"
+    assert_argmax_within(got, want, 2 * err.max().item(), f"REAL_TEXT {weights}: packed against dequantized")
 
 
 def test_clear_errors():
