@@ -272,6 +272,24 @@ def assert_argmax_within(got: torch.Tensor, want: torch.Tensor, margin: float, w
     )
 
 
+def assert_greedy_within(got: list[int], want: list[int], want_logits, margin: float, what: str) -> None:
+    """Greedy sequences from one prompt agree up to the first token where got differs; there the reference
+    had a near-tie: want_logits[i] (V,), the logits that chose want[i], rate got[i] within `margin` of it.
+    Past that token the prefixes differ and nothing more can be compared (assert_argmax_within says why
+    an exact comparison of two differently rounded paths is luck)."""
+    n = min(len(got), len(want))
+    assert len(got) == len(want), f"{what}: {len(got)} tokens, the reference made {len(want)}"
+    i = next((i for i in range(n) if got[i] != want[i]), None)
+    if i is None:
+        return
+    logits = torch.as_tensor(want_logits[i]).float()
+    short = (logits[want[i]] - logits[got[i]]).item()
+    assert short <= margin, (
+        f"{what}: token {i} is {got[i]}, the reference's {want[i]}, which it rates {short:.3g} higher "
+        f"(more than the paths' error bound {margin:.3g}); got {got}, reference {want}"
+    )
+
+
 def random_tokens(seed: int, length: int, vocab_size: int, batch: int | None = None) -> torch.Tensor:
     """Seeded token ids, (length,) or (batch, length) int64."""
     rng = np.random.default_rng(seed)
@@ -295,6 +313,24 @@ def hf_greedy(hf_model, prompt: list[int], max_new_tokens: int) -> list[int]:
         eos_token_id=hf_model.config.vocab_size,
     )
     return out[0, len(prompt) :].tolist()
+
+
+@torch.no_grad()
+def hf_greedy_logits(hf_model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """hf_greedy's tokens and the raw logits (max_new_tokens, V) float32 that chose each of them, for
+    assert_greedy_within."""
+    ids = torch.tensor([prompt])
+    out = hf_model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=hf_model.config.vocab_size,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
 
 
 @torch.no_grad()
