@@ -1,14 +1,62 @@
-"""A live server for tests, notebooks and the load test: uvicorn on a free loopback port, the fault
-hook that makes a chosen request fail inside the engine (serve --fault-marker), and the wait that
-cancels a request's work when its client disconnects (stage 04's server and stage 07's router)."""
+"""What stage 04's server and stage 07's fleet share: the checks a request must pass before it costs
+anything (the server, the engine, the router and a replica call the same function), a live server for
+tests, notebooks and the load test (uvicorn on a free loopback port), the fault hook that makes a chosen
+request fail inside the engine (serve --fault-marker), and the wait that cancels a request's work when
+its client disconnects."""
 
 import asyncio
 import contextlib
 import socket
 import threading
 import time
+from collections.abc import Iterable, Sequence
 
 FAULT_MARKER = "<fault>"
+
+
+class RequestRefused(ValueError):
+    """A request no engine of this size can serve; `param` names the field (OpenAI's error `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def check_request(
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    *,
+    max_model_len: int,
+    vocab_size: int,
+    logit_bias: Iterable[int] = (),
+    n: int = 1,
+    max_num_seqs: int | None = None,
+    prompt_param: str = "prompt",
+) -> None:
+    """Raise RequestRefused, naming the field, for a request that could never run: an empty prompt, a
+    token id outside [0, vocab_size) (the prompt's or logit_bias's), n sequences over the batch's
+    max_num_seqs, or prompt + max_tokens over max_model_len. prompt_param is what the client sent the
+    prompt as ("messages" for a chat). The same checks, and messages, wherever a request enters."""
+    if not prompt_ids:
+        raise RequestRefused(prompt_param, f"{prompt_param}: the prompt is empty; send at least one token")
+    if bad := [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab_size)]:
+        raise RequestRefused(
+            prompt_param, f"{prompt_param}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+        )
+    if bad := [t for t in logit_bias if not 0 <= t < vocab_size]:
+        raise RequestRefused(
+            "logit_bias", f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+        )
+    if max_num_seqs is not None and n > max_num_seqs:
+        raise RequestRefused(
+            "n", f"n: {n} samples exceed max_num_seqs={max_num_seqs}, the batch they must share; send fewer"
+        )
+    if len(prompt_ids) + max_tokens > max_model_len:
+        raise RequestRefused(
+            prompt_param,
+            f"{prompt_param}: prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
+            f"{max_model_len} tokens; shorten the prompt or lower max_tokens",
+        )
 
 
 def fail_on_marker(tokenizer, marker: str = FAULT_MARKER):

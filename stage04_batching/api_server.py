@@ -2,16 +2,19 @@
 
     app = create_app(engine, tokenizer)    # python -m stage04_batching.serve runs it with uvicorn
 
-/v1/completions and /v1/chat/completions (streaming or not), /v1/models, /health, /metrics. With a
-LoRAEngine, `"model": "tiny-target:zoe"` (or vLLM's bare adapter name, `"zoe"`) picks the adapter. A request
-is checked before it costs anything: its body size before parsing, every field against what the engine
-can take, its length against the context after tokenizing (in a worker thread, so a large prompt does
-not stall other clients' streams). A client that disconnects, streaming or not, aborts its request.
+/v1/completions and /v1/chat/completions (streaming or not), /v1/models, /health, /metrics. A completions
+prompt may be a batch (text or token ids each): every prompt is its own engine request, and choice p * n + i
+is sample i of prompt p. With a LoRAEngine, `"model": "tiny-target:zoe"` (or vLLM's bare adapter name, `"zoe"`)
+picks the adapter. A request is checked before it costs anything: its body size before parsing, every field
+against what the engine can take, its length against the context after tokenizing (in a worker thread, so a
+large prompt does not stall other clients' streams; labkit.serving.check_request, which the engine also
+calls). A client that disconnects, streaming or not, aborts its request.
 """
 
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -25,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import Template, TemplateError
 from pydantic import ValidationError
 
-from labkit.serving import until_disconnected
+from labkit.serving import RequestRefused, check_request, until_disconnected
 
 from .async_engine import AsyncEngine, EngineError, QueueFull, stream_events
 from .byte_dfa import compile_regex
@@ -74,7 +77,7 @@ def create_app(
     stall_timeout: seconds one engine step may run before /health reports the engine stalled.
     chat_template: from protocol.load_chat_template; None formats chats as `role: content` lines.
     """
-    core = AsyncEngine(engine, max_waiting, stall_timeout)
+    core = AsyncEngine(engine, max_waiting, stall_timeout, model_name)
     # No prompt the context can hold takes more bytes than this, even with every byte JSON-escaped (\u00XX).
     longest_token = max(len(token) for token in tokenizer.get_vocab())
     max_body_bytes = 6 * longest_token * engine.max_model_len + 16_384
@@ -128,6 +131,19 @@ def create_app(
             index = engine.token_index(pattern)
         await loop.run_in_executor(mask_pool, index.row, index.initial)
 
+    def check(ids: list[int], req: SamplingRequest, param: str) -> None:
+        """labkit's request checks against this engine (the engine makes them again when it adds the request)."""
+        check_request(
+            ids,
+            req.max_tokens,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.model.config.vocab_size,
+            logit_bias=req.logit_bias or (),
+            n=req.n,
+            max_num_seqs=engine.config.max_num_seqs,
+            prompt_param=param,
+        )
+
     async def create_completion(request: Request, chat: bool) -> Response:
         req = await read_request(request, ChatCompletionRequest if chat else CompletionRequest, max_body_bytes)
         if isinstance(req, Response):
@@ -137,78 +153,81 @@ def create_app(
         except LookupError as e:
             return error(404, str(e), "model")
         param = "messages" if chat else "prompt"
-        vocab = engine.model.config.vocab_size
+        prompts = None if chat else req.prompts()  # each text or token ids (lm-evaluation-harness sends ids)
+        if prompts is not None and len(prompts) > core.max_waiting:
+            why = f"a batch of {len(prompts)} prompts is more than the {core.max_waiting} requests that may wait"
+            return error(400, f"prompt: {why}; send fewer per request", param)
 
-        def tokenize() -> list[int]:
+        def tokenize() -> list[list[int]]:
             # encode_batch releases the GIL while it works (encode does not), so the event loop runs meanwhile
-            prompt = render_chat(req.messages, chat_template) if chat else req.prompt
-            return tokenizer.encode_batch([prompt])[0].ids
+            texts = [render_chat(req.messages, chat_template)] if chat else [p for p in prompts if isinstance(p, str)]
+            encoded = iter(e.ids for e in tokenizer.encode_batch(texts))
+            return [next(encoded)] if chat else [next(encoded) if isinstance(p, str) else p for p in prompts]
 
-        if not chat and isinstance(req.prompt, list):  # token ids, as lm-evaluation-harness sends them
-            ids = req.prompt
-            if max(ids) >= vocab:
-                return error(400, f"prompt: token id {max(ids)} is outside the vocabulary of {vocab} tokens", param)
-        else:
-            try:
-                ids = await asyncio.get_running_loop().run_in_executor(tokenize_pool, tokenize)
-            except (ValueError, TemplateError) as e:  # a chat template that refuses these messages
-                return error(400, f"the chat template refused the messages: {e}", param)
-        if not ids:
-            return error(400, f"the {param} is empty", param)
-        if req.logit_bias and not all(0 <= t < vocab for t in req.logit_bias):
-            return error(400, f"logit_bias: token ids must lie in [0, {vocab}), the vocabulary", "logit_bias")
-        if req.n > engine.config.max_num_seqs or (req.n > 1 and lora is not None):
-            why = "with a LoRA adapter" if lora is not None else f"over max_num_seqs={engine.config.max_num_seqs}"
-            return error(400, f"n: {req.n} samples {why} cannot be served; send fewer (or separate requests)", "n")
+        try:
+            prompt_ids = await asyncio.get_running_loop().run_in_executor(tokenize_pool, tokenize)
+        except (ValueError, TemplateError) as e:  # a chat template that refuses these messages
+            return error(400, f"the chat template refused the messages: {e}", param)
+        if req.n > 1 and lora is not None:
+            return error(400, f"n: {req.n} samples with a LoRA adapter cannot be served; send separate requests", "n")
+        try:
+            for i, ids in enumerate(prompt_ids):  # a batch names the prompt that cannot run: prompt.2
+                check(ids, req, param if len(prompt_ids) == 1 else f"{param}.{i}")
+        except RequestRefused as e:
+            return error(400, str(e), e.param)
         try:  # structured output: compile the constraint (once per pattern) off the event loop
             pattern = req.guided_pattern()
             if pattern is not None:
                 await compile_constraint(pattern)
         except ValueError as e:
             return error(400, str(e), "guided_regex" if req.guided_regex is not None else "response_format")
-        if len(ids) + req.max_tokens > engine.max_model_len:
-            return error(
-                400,
-                f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the context of "
-                f"{engine.max_model_len} tokens",
-                param,
-            )
         problem = core.health()
         if problem:
             return error(503, f"the engine is unavailable: {problem}")
+        params = dataclasses.replace(req.to_sampling_params(), lora=lora)
+        submitted: list[tuple[str, asyncio.Queue]] = []  # each prompt is a request of the engine's batch
         try:
-            request_id, queue = core.submit(ids, dataclasses.replace(req.to_sampling_params(), lora=lora))
+            for ids in prompt_ids:
+                submitted.append(core.submit(ids, params))
         except QueueFull as e:
+            for request_id, _ in submitted:
+                core.abort(request_id)
             return error(429, f"server busy: {e}; retry later", headers={"Retry-After": "1"})
         # n > 1: the engine forks n - 1 siblings under these ids; their outputs need queues before the loop runs
-        family = sibling_ids(request_id, req.n)
-        queues = [queue] + [core.queues.setdefault(i, asyncio.Queue()) for i in family[1:]]
+        families = [sibling_ids(request_id, req.n) for request_id, _ in submitted]
+        queues = [
+            [queue] + [core.queues.setdefault(i, asyncio.Queue()) for i in family[1:]]
+            for family, (_, queue) in zip(families, submitted, strict=True)
+        ]
         echo = getattr(req, "echo", False)
         reply = ResponseBuilder(
-            request_id=request_id,
+            request_id=submitted[0][0],
             model=req.model or model_name,
             chat=chat,
-            num_prompt_tokens=len(ids),
+            num_prompt_tokens=sum(len(ids) for ids in prompt_ids),
+            n=req.n,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             token_text=lambda t: tokenizer.decode([t], skip_special_tokens=False),
-            echo=(req.prompt if isinstance(req.prompt, str) else tokenizer.decode(ids)) if echo else None,
+            echo=[p if isinstance(p, str) else tokenizer.decode(p) for p in prompts] if echo else None,
             echo_only=echo and req.max_tokens == 0,
         )
         if req.stream:
             streams = [
-                stream_events(core, i, q, reply.chunk, request_timeout) for i, q in zip(family, queues, strict=True)
+                stream_events(core, i, q, functools.partial(reply.chunk, prompt=p), request_timeout)
+                for p, (family, prompt_queues) in enumerate(zip(families, queues, strict=True))
+                for i, q in zip(family, prompt_queues, strict=True)
             ]
             return StreamingResponse(merge_streams(streams, reply), media_type="text/event-stream")
         try:
-            outs = await until_disconnected(request, final_outputs(queues, request_timeout))
+            outs = await until_disconnected(request, final_outputs([q for qs in queues for q in qs], request_timeout))
         finally:
-            for i in family:
+            for i in (i for family in families for i in family):
                 core.abort(i)  # frees the blocks on timeout or disconnect; a no-op once it finished
         if outs is None:
             return Response(status_code=499)  # the client has gone; nobody reads this
         if isinstance(outs, EngineError):
             return error(outs.status, outs.message)
-        return JSONResponse(reply.final(outs))
+        return JSONResponse(reply.final([outs[p * req.n : (p + 1) * req.n] for p in range(len(prompt_ids))]))
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -42,11 +42,11 @@ class AsyncEngine:
     """Owns the engine. Handlers call submit/abort from the event loop; the loop task applies them
     between steps, so the engine itself is only ever touched by one step at a time."""
 
-    def __init__(self, engine: LLMEngine, max_waiting: int = 64, stall_timeout: float = 30.0):
+    def __init__(self, engine: LLMEngine, max_waiting: int = 64, stall_timeout: float = 30.0, model_name: str = ""):
         self.engine = engine
         self.max_waiting = max_waiting
         self.stall_timeout = stall_timeout
-        self.metrics = Metrics()
+        self.metrics = Metrics(model_name)  # model_name labels every series, as vLLM's
         self.queues: dict[str, asyncio.Queue] = {}
         self.pending: list[tuple[list[int], SamplingParams, str]] = []
         self.aborts: list[str] = []

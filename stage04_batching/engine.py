@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from labkit.model import Llama, apply_rope, refuse_extras
+from labkit.serving import check_request
 
 from .block_manager import BlockManager
 from .byte_dfa import DFA, compile_regex
@@ -174,7 +175,8 @@ class LLMEngine:
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
-        """Queue a request; returns its id. Raises ValueError if it can never fit the context or the pool.
+        """Queue a request; returns its id. Raises ValueError (labkit.serving.RequestRefused, naming the field)
+        if it can never run: the server's checks, made again here for callers that skip the server.
 
         With params.n > 1 the request has n sequences (ids: sibling_ids): the first computes the prompt,
         then forks the others, which share its KV blocks until they write (copy-on-write)."""
@@ -184,16 +186,15 @@ class LLMEngine:
         family = sibling_ids(request_id, params.n)
         if any(i in self.requests for i in family):
             raise ValueError(f"request id {request_id!r} is already in use")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the maximum "
-                f"context length of {self.max_model_len} tokens"
-            )
-        vocab = self.model.config.vocab_size
-        if not all(0 <= t < vocab for t in [*ids, *params.logit_bias]):
-            raise ValueError(f"token ids (of the prompt or logit_bias) must lie in [0, {vocab}), the vocabulary")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}, the batch it must fit")
+        check_request(
+            ids,
+            params.max_tokens,
+            max_model_len=self.max_model_len,
+            vocab_size=self.model.config.vocab_size,
+            logit_bias=params.logit_bias,
+            n=params.n,
+            max_num_seqs=self.config.max_num_seqs,
+        )
         seqs = [Sequence(i, ids, params, index) for index, i in enumerate(family)]
         for seq in seqs:
             if params.guided_regex is not None:

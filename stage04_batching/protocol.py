@@ -33,7 +33,7 @@ def _encodable(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_encodable)]
-StopString = Annotated[Text, Field(min_length=1, max_length=256)]
+StopString = Annotated[str, Field(min_length=1, max_length=256), AfterValidator(_encodable)]
 
 MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflows float32: send 0 for greedy
 
@@ -80,7 +80,7 @@ class SamplingRequest(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(0, ge=0)  # a vLLM extension; 0 switches it off
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # the range torch.Generator.manual_seed takes
-    stop: StopString | Annotated[list[StopString], Field(max_length=4)] | None = None
+    stop: StopString | list[StopString] | None = None  # OpenAI allows 4; vLLM (and lm-eval's tasks) send more
     n: int = Field(1, ge=1)  # the handler checks it against the engine's max_num_seqs
     stream: bool = False
     stream_options: StreamOptions | None = None  # without stream it changes nothing: the body holds the usage
@@ -138,21 +138,24 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class CompletionRequest(SamplingRequest):
-    # text or token ids; lm-evaluation-harness sends a batch of one ([ids]); larger batches are refused
+    # text or token ids, or a batch of them (lm-evaluation-harness sends [[ids], [ids], ...]): each prompt is
+    # its own request in the engine's batch, its n choices indexed prompt * n + sample, as vLLM does
     prompt: Text | TokenIds | Annotated[list[Text | TokenIds], Field(min_length=1)]
     max_tokens: int = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
     echo: bool = False  # the prompt (and, with logprobs, its logprobs) before the output
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # top logprobs per token; the chosen one always
 
     @model_validator(mode="after")
-    def _one_prompt(self):
-        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str | list):
-            if len(self.prompt) > 1:
-                raise ValueError(f"prompt: a batch of {len(self.prompt)} prompts; send one prompt per request")
-            self.prompt = self.prompt[0]
+    def _echo_only(self):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: 0 is only allowed with echo (the prompt's logprobs, nothing generated)")
         return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch's prompts, each text or token ids (a single prompt is a batch of one)."""
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str | list):
+            return list(self.prompt)
+        return [self.prompt]
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -197,8 +200,13 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 
 def validation_error(e: ValidationError) -> JSONResponse:
-    """400 naming the first bad field (`messages.0.role`), as OpenAI's `param`."""
-    first = e.errors()[0]
+    """400 naming the first bad field (`messages.0.role`), as OpenAI's `param`. Where a field is a union
+    (`stop`: a string or a list of them), the reason comes from the branch whose shape the value has: a
+    list with an empty string is "too short", not "not a valid string"."""
+    errors = e.errors()
+    first = errors[0]
+    same_field = [x for x in errors if x["loc"][:1] == first["loc"][:1]]
+    first = next((x for x in same_field if not x["type"].endswith("_type")), first)
     if first["type"] == "extra_forbidden":
         name = ".".join(str(p) for p in first["loc"])
         return error(400, f"{name}: this server does not implement this field; leave it out", name)
@@ -215,20 +223,23 @@ def validation_error(e: ValidationError) -> JSONResponse:
 @dataclass
 class ResponseBuilder:
     """The OpenAI bodies of one request: a streamed chunk per output, the usage chunk, or the final body.
-    Each output is one of the request's n choices (out.index)."""
+    A request has one or more prompts (a completions batch) and n choices per prompt: the output of
+    sample out.index of prompt p is choice p * n + out.index, as vLLM numbers them."""
 
     request_id: str
     model: str
     chat: bool
-    num_prompt_tokens: int
+    num_prompt_tokens: int  # of every prompt of the request
+    n: int = 1
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage, choices []
     token_text: Callable[[int], str] = str  # a token id's text, for logprobs (the tokenizer's decode of it)
-    echo: str | None = None  # completions with echo: the prompt text every choice starts with
+    echo: list[str] | None = None  # completions with echo: each prompt's text, which its choices start with
     echo_only: bool = False  # echo with max_tokens 0: the one token the engine sampled is left out
     created: int = field(default_factory=lambda: int(time.time()))
     sent: dict[int, int] = field(default_factory=dict)  # choice -> output tokens already streamed
     offset: dict[int, int] = field(default_factory=dict)  # choice -> characters already streamed
     completion_tokens: dict[int, int] = field(default_factory=dict)  # choice -> output tokens so far
+    cached_tokens: dict[int, int] = field(default_factory=dict)  # prompt -> its tokens read from the prefix cache
 
     def usage(self) -> dict:
         n = sum(self.completion_tokens.values())
@@ -236,20 +247,23 @@ class ResponseBuilder:
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": n,
             "total_tokens": self.num_prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": sum(self.cached_tokens.values())},
         }
 
-    def chunk(self, out: RequestOutput) -> dict:
-        """The streamed chunk of one output: its new text and the logprobs of its tokens not sent yet."""
-        first = out.index not in self.sent
-        tokens, text = self._new(out, self.sent.get(out.index, 0), out.delta_text)
+    def chunk(self, out: RequestOutput, prompt: int = 0) -> dict:
+        """The streamed chunk of one output of prompt `prompt`: its new text and the logprobs of its tokens
+        not sent yet."""
+        index = self._choice(out, prompt)
+        first = index not in self.sent
+        tokens, text = self._new(out, index, self.sent.get(index, 0), out.delta_text)
         if first and self.echo is not None:
-            text = self.echo + text
-        self.sent[out.index] = len(out.token_ids)
+            text = self.echo[prompt] + text
+        self.sent[index] = len(out.token_ids)
         if self.chat:
-            choice = {"index": out.index, "delta": {"role": "assistant", "content": text}}
+            choice = {"index": index, "delta": {"role": "assistant", "content": text}}
         else:
-            choice = {"index": out.index, "text": text}
-        choice["logprobs"] = self._logprobs(out, tokens, first)
+            choice = {"index": index, "text": text}
+        choice["logprobs"] = self._logprobs(out, index, tokens, first)
         return self._body("chat.completion.chunk" if self.chat else "text_completion", choice, out)
 
     def usage_chunk(self) -> dict:
@@ -257,31 +271,39 @@ class ResponseBuilder:
         body = {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, "choices": []}
         return {**body, "usage": self.usage()}
 
-    def final(self, outs: list[RequestOutput]) -> dict:
-        """The whole body of a non-streaming request from the final output of each choice."""
+    def final(self, outs: list[list[RequestOutput]]) -> dict:
+        """The whole body of a non-streaming request from the final output of each choice, by prompt."""
         choices = []
-        for out in outs:
-            tokens, text = self._new(out, 0, out.text)
-            text = (self.echo or "") + text
-            if self.chat:
-                choice = {"index": out.index, "message": {"role": "assistant", "content": text}}
-            else:
-                choice = {"index": out.index, "text": text}
-            choice["logprobs"] = self._logprobs(out, tokens, True)
-            choice["finish_reason"] = out.finish_reason
-            choices.append(choice)
+        for prompt, prompt_outs in enumerate(outs):
+            for out in prompt_outs:
+                index = self._choice(out, prompt)
+                tokens, text = self._new(out, index, 0, out.text)
+                text = (self.echo[prompt] if self.echo is not None else "") + text
+                if self.chat:
+                    choice = {"index": index, "message": {"role": "assistant", "content": text}}
+                else:
+                    choice = {"index": index, "text": text}
+                choice["logprobs"] = self._logprobs(out, index, tokens, True)
+                choice["finish_reason"] = out.finish_reason
+                choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
         body = {"id": self.request_id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
         return {**body, "usage": self.usage()}
 
-    def _new(self, out: RequestOutput, start: int, text: str) -> tuple[list[TokenLogprob], str]:
+    def _choice(self, out: RequestOutput, prompt: int) -> int:
+        """out's choice index; notes how many of the prompt's tokens came from the prefix cache (the forked
+        samples report 0: the first one computed the prompt)."""
+        self.cached_tokens[prompt] = max(self.cached_tokens.get(prompt, 0), out.num_cached_tokens)
+        return prompt * self.n + out.index
+
+    def _new(self, out: RequestOutput, index: int, start: int, text: str) -> tuple[list[TokenLogprob], str]:
         """The logprobs of out's tokens from `start` on, and its text; neither for an echo-only request."""
-        self.completion_tokens[out.index] = 0 if self.echo_only else len(out.token_ids)
+        self.completion_tokens[index] = 0 if self.echo_only else len(out.token_ids)
         if self.echo_only:
             return [], ""
         return (out.logprobs or [])[start:], text
 
-    def _logprobs(self, out: RequestOutput, tokens: list[TokenLogprob], first: bool) -> dict | None:
+    def _logprobs(self, out: RequestOutput, index: int, tokens: list[TokenLogprob], first: bool) -> dict | None:
         if out.logprobs is None:
             return None
         entries: list[TokenLogprob | None] = list(tokens)
@@ -289,7 +311,7 @@ class ResponseBuilder:
             entries = [*(out.prompt_logprobs or []), *entries]
         if self.chat:
             return {"content": [self._chat_entry(e) for e in entries]}
-        offset = self.offset.get(out.index, 0)
+        offset = self.offset.get(index, 0)
         result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
             token_id = e.token_id if e is not None else out.prompt_token_ids[0]  # None: the first prompt token
@@ -301,7 +323,7 @@ class ResponseBuilder:
             # OpenAI: the `logprobs` most likely tokens and always the chosen one
             top = {self.token_text(t): lp for t, lp in e.top} | {text: e.logprob} if e is not None else None
             result["top_logprobs"].append(top)
-        self.offset[out.index] = offset
+        self.offset[index] = offset
         return result
 
     def _chat_entry(self, e: TokenLogprob) -> dict:

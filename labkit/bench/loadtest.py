@@ -148,12 +148,15 @@ async def _chaos_one(client: httpx.AsyncClient, kind: str, body: dict, rng: rand
     return "completed" if r.status_code == 200 and done and not error else f"healthy stream got {r.status_code}"
 
 
-async def _kv_blocks_in_use(client: httpx.AsyncClient, settle: float) -> float:
-    """llm_kv_blocks_in_use from /metrics, polled until it is 0 or `settle` seconds pass."""
+async def _kv_cache_usage(client: httpx.AsyncClient, settle: float) -> float:
+    """vllm:kv_cache_usage_perc from /metrics (the fraction of KV blocks sequences hold), polled until it is
+    0 or `settle` seconds pass."""
     deadline = time.perf_counter() + settle
     while True:
         text = (await client.get("/metrics")).text
-        used = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("llm_kv_blocks_in_use "))
+        used = next(
+            float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:kv_cache_usage_perc")
+        )
         if used == 0 or time.perf_counter() > deadline:
             return used
         await asyncio.sleep(0.1)
@@ -188,7 +191,7 @@ async def chaos(url: str, n: int = 64, concurrency: int = 16, seed: int = 0, tim
     t0 = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=httpx.Limits(max_connections=concurrency)) as c:
         await asyncio.gather(*(worker(c) for _ in range(concurrency)))
-        blocks = await _kv_blocks_in_use(c, settle=10.0)
+        usage = await _kv_cache_usage(c, settle=10.0)
         health = (await c.get("/health")).status_code
         after = await c.post("/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0})
 
@@ -204,7 +207,7 @@ async def chaos(url: str, n: int = 64, concurrency: int = 16, seed: int = 0, tim
         "invalid_rejected": count("invalid", "rejected"),
         "faults": count("fault"),
         "faults_failed_alone": count("fault", "failed-alone"),
-        "kv_blocks_in_use": blocks,
+        "kv_cache_usage": usage,
         "still_serving": health == 200 and after.status_code == 200,
         "seconds": time.perf_counter() - t0,
     }
@@ -215,7 +218,7 @@ async def chaos(url: str, n: int = 64, concurrency: int = 16, seed: int = 0, tim
         report["healthy_completed"] == report["healthy"]
         and report["invalid_rejected"] == report["invalid"]
         and report["faults_failed_alone"] == report["faults"]
-        and blocks == 0
+        and usage == 0
         and report["still_serving"]
     )
     return report

@@ -48,4 +48,4 @@ def test_chaos_command_line_exits_0_on_a_healthy_server(reference_server, capsys
     with pytest.raises(SystemExit) as done:
         main(["--url", url, "--chaos", "--requests", "16", "--concurrency", "4"])
     assert done.value.code == 0, capsys.readouterr().out
-    assert "kv_blocks_in_use" in capsys.readouterr().out
+    assert "kv_cache_usage" in capsys.readouterr().out

@@ -35,6 +35,28 @@ def log_softmax64(logits: torch.Tensor) -> torch.Tensor:
     return shifted - shifted.exp().sum(-1, keepdim=True).log()
 
 
+@torch.no_grad()
+def model_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """(len(ids), vocab) float64: row t is log p(next token | ids[: t + 1]), one contiguous forward pass."""
+    return log_softmax64(model(torch.tensor([ids]))[0])
+
+
+@torch.no_grad()
+def reference_decode(model, prompt: list[int], n: int, penalize=None, generator=None, temperature=1.0) -> list[int]:
+    """n tokens by recomputing the whole sequence each step: argmax, or a draw from softmax(logits / T)
+    with `generator`; penalize(logits, output so far) -> logits is applied first."""
+    out: list[int] = []
+    for _ in range(n):
+        logits = model(torch.tensor([prompt + out]))[0, -1].float()
+        if penalize is not None:
+            logits = penalize(logits, out)
+        if generator is None:
+            out.append(int(logits.argmax()))
+        else:
+            out.append(int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)))
+    return out
+
+
 def reference(model: Llama, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     """Each request generated alone with labkit's contiguous KV cache (greedy, stops at EOS)."""
     return [model.generate(p, n) for p, n in zip(prompts, max_tokens, strict=True)]

@@ -6,7 +6,15 @@ import random
 
 import pytest
 import torch
-from stage04_helpers import PROMPT, LiveServer, log_softmax64, make_model, random_prompts, wait_blocks_free
+from stage04_helpers import (
+    PROMPT,
+    LiveServer,
+    make_model,
+    model_logprobs,
+    random_prompts,
+    reference_decode,
+    wait_blocks_free,
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,28 +34,6 @@ def client(server):
 
 def _params(impl, **kw):
     return impl("stage04_batching.sequence").SamplingParams(**kw)
-
-
-@torch.no_grad()
-def model_logprobs(model, ids: list[int]) -> torch.Tensor:
-    """(len(ids), vocab) float64: row t is log p(next token | ids[: t + 1]), one contiguous forward pass."""
-    return log_softmax64(model(torch.tensor([ids]))[0])
-
-
-@torch.no_grad()
-def reference_decode(model, prompt: list[int], n: int, penalize=None, generator=None, temperature=1.0) -> list[int]:
-    """n tokens by recomputing the whole sequence each step: argmax, or a draw from softmax(logits / T)
-    with `generator`; penalize(logits, output so far) -> logits is applied first."""
-    out: list[int] = []
-    for _ in range(n):
-        logits = model(torch.tensor([prompt + out]))[0, -1].float()
-        if penalize is not None:
-            logits = penalize(logits, out)
-        if generator is None:
-            out.append(int(logits.argmax()))
-        else:
-            out.append(int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)))
-    return out
 
 
 def test_echo_returns_the_prompt_logprobs_of_a_forward_pass(server, client, tokenizer):

@@ -94,25 +94,46 @@ def test_invalid_json_is_a_400(server):
     assert ok.status_code == 200, "the server keeps serving"
 
 
-def test_metrics_parse_and_count(server):
+def test_metrics_carry_vllms_names_and_count(server):
+    """/metrics under vLLM's names, each series labelled with the served model, as dashboards query them."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    prompt = [5 + i % 50 for i in range(40)]  # 2 full blocks of 16 before the last token; no other test sends it
     with httpx.Client(base_url=server.url, timeout=30) as c:
         assert c.get("/health").json()["status"] == "ok"
-        c.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0})
+        before = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+        for _ in range(2):
+            c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True})
         families = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
     for name in [
-        "llm_requests",
-        "llm_num_requests_running",
-        "llm_num_requests_waiting",
-        "llm_kv_blocks_in_use",
-        "llm_generation_tokens",
-        "llm_time_to_first_token_seconds",
-        "llm_inter_token_latency_seconds",
+        "vllm:request_success",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
     ]:
         assert name in families, f"/metrics lacks {name}; has {sorted(families)}"
-    generated = sum(s.value for s in families["llm_generation_tokens"].samples if s.name.endswith("_total"))
-    assert generated >= 5, f"at least 5 tokens were generated, the counter says {generated}"
+        labels = {s.labels.get("model_name") for s in families[name].samples}
+        assert labels == {"test-model"}, f"{name}: every series is labelled model_name=test-model, got {labels}"
+
+    def total(fams, name: str) -> float:
+        return sum(s.value for s in fams[name].samples if s.name.endswith("_total")) if name in fams else 0.0
+
+    grew = {
+        n: total(families, n) - total(before, n)
+        for n in ("vllm:generation_tokens", "vllm:prompt_tokens", "vllm:prefix_cache_hits")
+    }
+    assert grew == {"vllm:generation_tokens": 10, "vllm:prompt_tokens": 80, "vllm:prefix_cache_hits": 32}, (
+        f"two 40-token requests of 5 tokens, the second reading 2 blocks of 16 from the prefix cache: {grew}"
+    )
+    stops = {s.labels["finished_reason"]: s.value for s in families["vllm:request_success"].samples}
+    assert stops.get("length", 0) >= 2, f"requests that ran to max_tokens are counted as length: {stops}"
 
 
 def test_queue_limit_answers_429_not_timeouts(impl, tokenizer):
