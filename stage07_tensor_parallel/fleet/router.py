@@ -1,10 +1,10 @@
 """The fleet's front: one OpenAI-compatible endpoint over many replicas (given code).
 
     app = create_app(["tcp://10.0.0.5:5555", "tcp://10.0.0.6:5555"], tokenizer, policy="cache_aware")
-    python -m stage07_tensor_parallel.router --replica tcp://10.0.0.5:5555 --replica tcp://10.0.0.6:5555
+    python -m stage07_tensor_parallel.fleet.router --replica tcp://10.0.0.5:5555 --replica tcp://10.0.0.6:5555
 
 Replicas are zmq addresses (replica.py), so they may run on this machine or others: start
-`python -m stage07_tensor_parallel.replica --host 0.0.0.0 --port 5555` on each machine and name them
+`python -m stage07_tensor_parallel.fleet.replica --host 0.0.0.0 --port 5555` on each machine and name them
 here. At start the router says hello to each (learning its name, page size, context and PUB port),
 subscribes to its KV events and asks for a snapshot of its cache.
 

@@ -1,6 +1,6 @@
 """One replica of the fleet as its own OS process: a ReplicaEngine behind two zmq sockets (given code).
 
-    python -m stage07_tensor_parallel.replica --model FOLDER --name w0 --host 0.0.0.0 --port 5555 --pub-port 5556
+    python -m stage07_tensor_parallel.fleet.replica --model FOLDER --name w0 --host 0.0.0.0 --port 5555 --pub-port 5556
 
 It prints one JSON line, {"worker", "port", "pub_port"} (port 0 picks a free one), then serves until it
 is killed, or until the process that started it (--parent-pid) is gone. Every message is one JSON object.
