@@ -9,7 +9,7 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 FAULT_MARKER = "<fault>"
 
@@ -57,6 +57,24 @@ def check_request(
             f"{prompt_param}: prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the context of "
             f"{max_model_len} tokens; shorten the prompt or lower max_tokens",
         )
+
+
+def invalid_field(errors: list[dict], names: Collection[str]) -> tuple[str | None, dict]:
+    """The error of a pydantic ValidationError (`e.errors()`) that a 400 reports, and OpenAI's `param` for it.
+
+    The param is the error's location without the tags pydantic gives union branches (`str`,
+    `list[...]`, `function-after[...]`): field names (any in `names`) and list indices, `messages.0.role`;
+    an unknown field is named in full, `stream_options.continuous_usage_stats`. Where a field is a union
+    (`stop`: a string or a list of them), the error comes from the branch whose shape the value has: a
+    list holding "" is too short, not "not a valid string"."""
+    first = errors[0]
+    same_field = [x for x in errors if x["loc"][:1] == first["loc"][:1]]
+    first = next((x for x in same_field if not x["type"].endswith("_type")), first)
+    *path, last = first["loc"] or [None]
+    if first["type"] != "extra_forbidden":
+        path, last = [*path, last], None
+    parts = [str(p) for p in path if isinstance(p, int) or p in names] + ([str(last)] if last is not None else [])
+    return ".".join(parts) or None, first
 
 
 def fail_on_marker(tokenizer, marker: str = FAULT_MARKER):

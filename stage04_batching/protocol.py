@@ -18,6 +18,8 @@ from jinja2 import Template
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from labkit.serving import invalid_field
+
 from .engine import RequestOutput, TokenLogprob
 from .sequence import SamplingParams
 from .structured import inline_refs, schema_to_regex
@@ -200,24 +202,16 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
 
 
 def validation_error(e: ValidationError) -> JSONResponse:
-    """400 naming the first bad field (`messages.0.role`), as OpenAI's `param`. Where a field is a union
-    (`stop`: a string or a list of them), the reason comes from the branch whose shape the value has: a
-    list with an empty string is "too short", not "not a valid string"."""
-    errors = e.errors()
-    first = errors[0]
-    same_field = [x for x in errors if x["loc"][:1] == first["loc"][:1]]
-    first = next((x for x in same_field if not x["type"].endswith("_type")), first)
-    if first["type"] == "extra_forbidden":
-        name = ".".join(str(p) for p in first["loc"])
-        return error(400, f"{name}: this server does not implement this field; leave it out", name)
-    if first["type"] == "value_error" and ": " in first["msg"]:  # a check across fields names its field first
-        name = first["msg"].removeprefix("Value error, ").split(": ", 1)[0]
-        if name in {*ChatCompletionRequest.model_fields, *CompletionRequest.model_fields}:
-            return error(400, first["msg"].removeprefix("Value error, "), name)
+    """400 naming the bad field (`messages.0.role`) as OpenAI's `param`, with the reason of the union branch
+    the value's shape chose (labkit.serving.invalid_field)."""
     names = {*ChatCompletionRequest.model_fields, *CompletionRequest.model_fields, *ChatMessage.model_fields}
-    # pydantic's loc also names union branches ("str", "list[...]"); keep field names and list indices
-    field = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or p in names) or None
-    return error(400, f"{field}: {first['msg']}" if field else first["msg"], field)
+    field, first = invalid_field(e.errors(), names | set(StreamOptions.model_fields))
+    if first["type"] == "extra_forbidden":
+        return error(400, f"{field}: this server does not implement this field; leave it out", field)
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "value_error" and message.split(": ", 1)[0] in names:  # a check across fields names it
+        return error(400, message, message.split(": ", 1)[0])
+    return error(400, f"{field}: {message}" if field else message, field)
 
 
 @dataclass

@@ -1,5 +1,10 @@
-"""The OpenAI side of the router: the request bodies it accepts, its error shape, server-sent events, and the
-chat template that turns messages into a prompt (given code; router.py serves them).
+"""The OpenAI side of the router: the request bodies it accepts, its error shape, server-sent events, stop
+strings, and the chat template that turns messages into a prompt (given code; router.py serves them).
+
+The fields are stage 04's server's where a replica can serve them (max_tokens or max_completion_tokens,
+temperature, seed, stop, stream with stream_options.include_usage, ignore_eos); stop strings are matched
+here, on the detokenized text, since replicas see token ids only. What the replicas' engine does not compute
+(logprobs, echo, n > 1, top_p, penalties, ...) is a 400 that names the field and says why.
 """
 
 import json
@@ -9,7 +14,27 @@ from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from labkit.serving import invalid_field
+
+# The fields stage 04's server takes that this fleet's replicas cannot serve, and why (any other unknown
+# field is refused too, as not implemented).
+UNSERVED = {
+    "logprobs": "the replicas' engine computes no logprobs; stage 04's server does",
+    "top_logprobs": "the replicas' engine computes no logprobs; stage 04's server does",
+    "echo": "the replicas' engine computes no prompt logprobs; stage 04's server does",
+    "n": "the replicas' engine draws one sample per request; send n requests",
+    "top_p": "the replicas' engine samples from the whole distribution (temperature only)",
+    "top_k": "the replicas' engine samples from the whole distribution (temperature only)",
+}
+StopString = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False  # one last chunk, choices [], with the request's usage
 
 
 class Sampling(BaseModel):
@@ -22,8 +47,13 @@ class Sampling(BaseModel):
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0, le=2, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: StopString | list[StopString] | None = None  # the output ends before the first one it writes
     stream: bool = False
+    stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
 class Completion(Sampling):
@@ -39,6 +69,13 @@ class Message(BaseModel):
 
 class ChatCompletion(Sampling):
     messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name for max_tokens; wins over it
+
+    @model_validator(mode="after")
+    def _newer_name(self):
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
 
 
 def error(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -46,6 +83,28 @@ def error(status: int, message: str, param: str | None = None, headers: dict | N
     kind = "rate_limit_exceeded" if status == 429 else kind
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status, headers=headers)
+
+
+def refusal(e) -> JSONResponse:
+    """The 400 of a body that failed validation (a pydantic ValidationError), naming the field."""
+    names = {*Completion.model_fields, *ChatCompletion.model_fields, *Message.model_fields, *StreamOptions.model_fields}
+    name, first = invalid_field(e.errors(), names)
+    if first["type"] == "extra_forbidden":
+        why = UNSERVED.get(name, "this router does not implement this field")
+        return error(400, f"{name}: {why}; leave it out", name)
+    return error(400, f"{name}: {first['msg']}" if name else first["msg"], name)
+
+
+def stop_at(text: str, stops: list[str]) -> int | None:
+    """Where the first stop string the text holds begins (the output ends there), or None."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How many characters at the end of text could begin a stop string: a stream holds them until the next
+    token tells (vLLM holds them back too)."""
+    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
 def plain_chat(turns: list[dict]) -> str:

@@ -59,3 +59,5 @@ class Flight:
     booked: bool = False  # counted in its worker's WorkerState (dispatch_to until release)
     moves: int = 0
     pair: tuple[str, str] | None = None  # (prefill, decode) replica names while its KV transfer is pending
+    arrival: float = field(default_factory=time.monotonic)  # when the router took it (latency metrics)
+    num_cached_tokens: int | None = None  # prompt tokens its first replica's prefix cache served

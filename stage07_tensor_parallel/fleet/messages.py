@@ -154,8 +154,8 @@ class CacheEvent:
 
 @dataclass
 class Heartbeat:
-    """Sent every HEARTBEAT_S between two steps, with the last event's number: silence means dead or stuck,
-    and a seq past the router's means it missed events."""
+    """Sent every HEARTBEAT_S from a thread of the replica's own, however long a step runs, with the last
+    event's number: silence means dead, and a seq past the router's means it missed events."""
 
     kind: ClassVar[str] = "heartbeat"
     worker: str

@@ -8,10 +8,11 @@ are messages.py's: on its ROUTER socket (a router's DEALER connects; replies go 
 asked) Hello -> HelloReply, Generate -> a Token after each step that has one (or an Error if the engine
 refuses it), Abort, AskSnapshot -> Snapshot, AskStats -> Stats (the engine's stats, "finish_reasons" and
 the KV transfer counters below); on its PUB socket a CacheEvent for each change to its cache, numbered 1,
-2, 3, ..., and every HEARTBEAT_S, between two steps, a Heartbeat with the last event's number, so a router
-that lost the latest events (or just started) sees the gap, and one that hears nothing for a while knows
-the replica is dead or stuck (the router moves its requests). A snapshot is taken between two steps, so it
-holds exactly the effect of events 1..seq.
+2, 3, ..., and every HEARTBEAT_S a Heartbeat with the last event's number, so a router that lost the
+latest events (or just started) sees the gap, and one that hears nothing for a while knows the replica is
+dead (the router moves its requests). Heartbeats come from a thread of their own: an engine step of any
+length (a long prefill on a slow machine) is not silence; a dead process, or one stopped whole, is. A
+snapshot is taken between two steps, so it holds exactly the effect of events 1..seq.
 
 Roles (prefill/decode disaggregation, lab5.ipynb §2). `--role both` (the default) serves whole requests.
 With `--dist-init tcp://HOST:PORT --dist-rank R --dist-world N` the replica joins a torch.distributed group
@@ -67,7 +68,8 @@ TRANSFER_TIMEOUT_S = 10.0  # a decode replica's wait for a prompt's KV before it
 
 
 class Replica:
-    """The engine and its sockets; run() is the serving loop (one thread: the engine is not thread-safe)."""
+    """The engine and its sockets; run() is the serving loop (one thread: the engine is not thread-safe),
+    beat() the heartbeat's thread; close() stops both."""
 
     def __init__(self, engine: ReplicaEngine, name: str, page_size: int, host: str, port: int, pub_port: int,
                  role: str = "both", rank: int | None = None):  # fmt: skip
@@ -83,6 +85,8 @@ class Replica:
         self.seq = 0  # the number of the last KV event published
         self.owner: dict[str, bytes] = {}  # request id -> the identity of the socket that sent it
         self.finish_reasons: Counter = Counter()  # how requests ended: stop, length, abort, error
+        self.pub_lock = threading.Lock()  # two threads publish (events, heartbeats); a zmq socket is not thread-safe
+        self.closed = threading.Event()
         engine.on_kv_event = self.publish
 
     @staticmethod
@@ -93,8 +97,21 @@ class Replica:
         return sock.bind_to_random_port(f"tcp://{host}")
 
     def publish(self, event: KVEvent) -> None:
-        self.seq += 1
-        self.pub.send_json(encode(CacheEvent(self.name, self.seq, event.kind, event.block_hashes)))
+        with self.pub_lock:
+            self.seq += 1
+            self.pub.send_json(encode(CacheEvent(self.name, self.seq, event.kind, event.block_hashes)))
+
+    def beat(self) -> None:
+        """Every HEARTBEAT_S until close(), whatever the engine is doing: the router reads silence as death."""
+        while True:
+            with self.pub_lock:
+                self.pub.send_json(encode(Heartbeat(self.name, self.seq)))
+            if self.closed.wait(HEARTBEAT_S):
+                return
+
+    def close(self) -> None:
+        """Stop run() (within HEARTBEAT_S) and the heartbeat."""
+        self.closed.set()
 
     def reply(self, identity: bytes, message) -> None:
         self.sock.send_multipart([identity, json.dumps(encode(message)).encode()])
@@ -211,8 +228,9 @@ class Replica:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        last_beat = 0.0
-        while True:
+        heart = threading.Thread(target=self.beat, daemon=True, name="heartbeat")
+        heart.start()
+        while not self.closed.is_set():
             busy = self.engine.has_work()
             if poller.poll(0 if busy else int(HEARTBEAT_S * 1000)):
                 while True:  # everything that arrived, then one step
@@ -228,9 +246,10 @@ class Replica:
                     self.handle(identity, body if isinstance(body, dict) else {"type": None})
             if self.engine.has_work():
                 self.step()
-            if time.monotonic() - last_beat >= HEARTBEAT_S:  # busy or idle: the router reads silence as death
-                self.pub.send_json(encode(Heartbeat(self.name, self.seq)))
-                last_beat = time.monotonic()
+        heart.join()
+        self.sock.close(0)
+        self.pub.close(0)
+        self.ctx.term()
 
 
 def exit_with_parent(parent: int) -> None:

@@ -27,6 +27,7 @@ import torch
 
 from labkit import paged
 from labkit.model import Llama
+from labkit.serving import check_request
 
 from .radix_cache import RadixCache
 
@@ -257,21 +258,13 @@ class ReplicaEngine:
         r, c = request, self.model.config
         if any(s.request.request_id == r.request_id for s in (*self.waiting, *self.running)):
             raise ValueError(f"request id {r.request_id!r} is already in the engine; give each request its own id")
-        if not r.prompt:
-            raise ValueError(f"request {r.request_id!r} has an empty prompt; send at least one token")
-        if bad := [t for t in r.prompt if not (isinstance(t, int) and 0 <= t < c.vocab_size)]:
-            raise ValueError(f"request {r.request_id!r}: token ids {bad[:5]} are not in [0, {c.vocab_size})")
         if not isinstance(r.max_tokens, int) or r.max_tokens < 1:
             raise ValueError(f"request {r.request_id!r}: max_tokens must be an int >= 1, got {r.max_tokens!r}")
         if r.temperature < 0:
             raise ValueError(f"request {r.request_id!r}: temperature must be >= 0, got {r.temperature}")
+        # the checks the router made (and stage 04's server makes); the context is what KV slots and positions hold
         limit = min(self.store.num_blocks, c.max_position_embeddings)
-        if len(r.prompt) + r.max_tokens > limit:
-            raise ValueError(
-                f"request {r.request_id!r}: {len(r.prompt)} prompt + {r.max_tokens} new tokens exceed the "
-                f"{limit} this engine holds (KV slots {self.store.num_blocks}, model positions "
-                f"{c.max_position_embeddings}); shorten the prompt or lower max_tokens"
-            )
+        check_request(list(r.prompt), r.max_tokens, max_model_len=limit, vocab_size=c.vocab_size)
         gen = torch.Generator().manual_seed(r.seed) if r.seed is not None else None
         self.waiting.append(Sequence(r, self.next_seq_id, list(r.prompt), gen))
         self.next_seq_id += 1

@@ -9,14 +9,17 @@ here. This file is the HTTP side; router_state.py holds the replicas, the open r
 handoff.py the prefill/decode hand-off, messages.py what goes over zmq; TRIP.md follows one request.
 
 Routes: POST /v1/completions and /v1/chat/completions (stream=true: server-sent events), GET /v1/models,
-/health, /fleet/stats. The router tokenizes, applies the chat template, asks the policy for a worker and
-forwards the token ids; tokens stream back and are detokenized here. The OpenAI `user` field is the
-session id that SessionAffinity keys on. A bad request gets a 400 naming the field; a client that
+/health, /metrics (Prometheus, metrics.py), /fleet/stats. The router tokenizes, applies the chat template,
+asks the policy for a worker and forwards the token ids; tokens stream back and are detokenized here, where
+stop strings end the output (the replica's request is aborted). The fields are stage 04's server's where a
+replica can serve them (api.py). The OpenAI `user` field is the session id that SessionAffinity keys on.
+A bad request gets a 400 naming the field; a client that
 disconnects aborts its request on the replica (its slots go back at once); on shutdown uvicorn lets every
 accepted request finish, and any still open after that gets an error, so none is dropped silently.
 
 Faults (lab3.ipynb §4-§5). A replica that falls silent for `dead_after` seconds is dead and its requests
-move (router_state.py); with no healthy replica left the client gets an error, never a hang. `breaker` (a
+move (router_state.py); it beats from a thread of its own, so a long engine step is not silence. With no
+healthy replica left the client gets an error, never a hang. `breaker` (a
 factory of breaker.CircuitBreaker) gives each replica a circuit breaker fed by its failures (timeouts,
 replica errors, death); a replica whose breaker is not closed is out of the candidates, and a stats request
 is the half-open probe. `admission` (admission.AdmissionControl) answers 429 with Retry-After when no
@@ -37,13 +40,15 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
-from labkit.serving import until_disconnected
+from labkit.serving import RequestRefused, check_request, until_disconnected
 
-from .api import ChatCompletion, Completion, chat_template, error, plain_chat, sse
+from .api import ChatCompletion, Completion, chat_template, error, held_back, plain_chat, refusal, sse, stop_at
 from .books import Flight, Lost
 from .messages import Abort, Error, Token
+from .metrics import RouterMetrics
 from .router_state import POLICIES, RouterState, make_policy
 
 __all__ = ["POLICIES", "chat_template", "create_app", "make_policy"]  # make_policy: the tests build policies
@@ -55,16 +60,13 @@ class Front:
     def __init__(self, fleet: RouterState, tokenizer, render_chat, eos_token_id, model_name, request_timeout):
         self.fleet, self.tokenizer, self.render_chat = fleet, tokenizer, render_chat
         self.eos_token_id, self.model_name, self.request_timeout = eos_token_id, model_name, request_timeout
+        self.metrics = RouterMetrics(fleet, model_name)
 
     async def read_body(self, request: Request, schema):
         try:
             return schema.model_validate(json.loads(await request.body()))
         except ValidationError as e:
-            first = e.errors()[0]
-            name = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("str", "list[")))
-            if first["type"] == "extra_forbidden":
-                return error(400, f"{name}: this router does not implement this field; leave it out", name)
-            return error(400, f"{name}: {first['msg']}", name or None)
+            return refusal(e)
         except ValueError as e:
             return error(400, f"the body is not valid JSON: {e}")
 
@@ -77,22 +79,13 @@ class Front:
             except (TemplateError, ValueError) as e:
                 return error(400, f"the chat template refused the messages: {e}", param)
             ids = self.tokenizer.encode(text).ids
-        elif isinstance(req.prompt, str):
-            ids = self.tokenizer.encode(req.prompt).ids
         else:
-            ids = req.prompt
-            vocab = self.fleet.vocab_size
-            if max(ids) >= vocab:
-                return error(400, f"prompt: token id {max(ids)} is outside the vocabulary of {vocab} tokens", param)
-        if not ids:
-            return error(400, f"the {param} is empty after tokenizing", param)
-        if len(ids) + req.max_tokens > self.fleet.max_len:
-            return error(
-                400,
-                f"prompt ({len(ids)} tokens) + max_tokens ({req.max_tokens}) exceeds the {self.fleet.max_len} tokens "
-                "a replica holds; shorten the prompt or lower max_tokens",
-                param,
-            )
+            ids = self.tokenizer.encode(req.prompt).ids if isinstance(req.prompt, str) else req.prompt
+        try:  # the checks stage 04's server makes, against what every replica holds
+            check_request(ids, req.max_tokens, max_model_len=self.fleet.max_len, vocab_size=self.fleet.vocab_size,
+                          prompt_param=param)  # fmt: skip
+        except RequestRefused as e:
+            return error(400, str(e), e.param)
         return ids
 
     def refuse(self, ids: list[int]) -> Response | None:
@@ -123,46 +116,57 @@ class Front:
         if (refused := self.refuse(ids)) is not None:
             return refused
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stop = [] if req.ignore_eos or self.eos_token_id is None else [self.eos_token_id]
-        params = {"temperature": req.temperature, "seed": req.seed, "stop_token_ids": stop}
+        stop_ids = [] if req.ignore_eos or self.eos_token_id is None else [self.eos_token_id]
+        params = {"temperature": req.temperature, "seed": req.seed, "stop_token_ids": stop_ids}
         flight = self.fleet.flights[rid] = Flight(rid, ids, req.max_tokens, params, req.user, asyncio.Queue())
         if not await self.fleet.route(flight):  # only prefill replicas are left
             self.fleet.flights.pop(rid)
             return error(
                 503, "no healthy decode replica: every one is dead or has its circuit breaker open; retry later"
             )
+        self.metrics.routed(len(ids))
         body = dict(id=rid, created=int(time.time()), model=req.model or self.model_name)
         if req.stream:
-            return StreamingResponse(self.stream(flight, body, chat), media_type="text/event-stream")
+            usage = req.stream_options is not None and req.stream_options.include_usage
+            return StreamingResponse(
+                self.stream(flight, body, chat, req.stops(), usage), media_type="text/event-stream"
+            )
+        last = None
         try:
-            last = await until_disconnected(request, self.final(flight))
-            if last is not None and getattr(last, "status", None) != 504:
-                flight.ended = True  # finished or refused on the replica: nothing to abort
+            last = await until_disconnected(request, self.final(flight, req.stops()))
         finally:
-            await self.close(flight)
+            await self.close(flight, "abort" if last is None else "error" if isinstance(last, Error) else last)
         if last is None:
             return Response(status_code=499)  # the client has gone; nobody reads this
         if isinstance(last, Error):
             return error(last.status or 400, last.message)
-        return self.completion(flight, body, last, chat)
-
-    def completion(self, flight: Flight, body: dict, last: Token, chat: bool) -> JSONResponse:
-        ids, tokens = flight.prompt, flight.tokens
-        text = self.tokenizer.decode(tokens)
-        choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+        text, _ = self.output(flight, req.stops())
+        choice = {"index": 0, "finish_reason": last, "logprobs": None}
         choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-        usage = {"prompt_tokens": len(ids), "completion_tokens": len(tokens), "total_tokens": len(ids) + len(tokens)}
         kind = "chat.completion" if chat else "text_completion"
-        return JSONResponse({**body, "object": kind, "choices": [choice], "usage": usage})
+        return JSONResponse({**body, "object": kind, "choices": [choice], "usage": self.usage(flight)})
 
-    async def close(self, flight: Flight) -> None:
-        """The request ended (finished, failed, or its client left): free its slots on its replica unless it
-        already ended there, then close the router's books on it, once."""
+    def output(self, flight: Flight, stops: list[str]) -> tuple[str, bool]:
+        """The text of the tokens received so far, up to the first stop string, and whether it holds one."""
+        text = self.tokenizer.decode(flight.tokens)
+        cut = stop_at(text, stops)
+        return (text, False) if cut is None else (text[:cut], True)
+
+    def usage(self, flight: Flight) -> dict:
+        prompt, out = len(flight.prompt), len(flight.tokens)
+        cached = {"cached_tokens": flight.num_cached_tokens or 0}
+        return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+                "prompt_tokens_details": cached}  # fmt: skip
+
+    async def close(self, flight: Flight, reason: str) -> None:
+        """The request ended (finished, failed, stopped by a stop string, or its client left): free its slots on
+        its replica unless it already ended there, then close the router's books on it, once."""
         if not flight.ended:
             flight.ended = True
             await flight.worker.send(Abort(flight.rid))
         if self.fleet.flights.pop(flight.rid, None) is not None:
             self.fleet.release(flight)
+            self.metrics.finished(flight.arrival, reason)
 
     async def next_message(self, flight: Flight) -> Token | Error:
         """The flight's next token or error. A replica that died hands its requests on (fleet.move)."""
@@ -181,48 +185,62 @@ class Front:
                 return Error(flight.rid, status=503, message=(
                     f"replica {msg.worker} died after {len(flight.tokens)} tokens of this request and no healthy "
                     "replica is left to continue it; retry later"))  # fmt: skip
+            flight.ended = isinstance(msg, Error) or msg.finished  # it ended on the replica: nothing to abort
             if isinstance(msg, Error) and (msg.status or 500) >= 500:
                 fleet.failed(flight.worker)
             elif isinstance(msg, Token):
+                if flight.num_cached_tokens is None:
+                    flight.num_cached_tokens = msg.num_cached_tokens
                 if msg.token_id is not None:
                     flight.tokens.append(msg.token_id)
+                    self.metrics.token(flight.arrival, first=len(flight.tokens) == 1)
                 if msg.finished and flight.worker.breaker is not None:
                     flight.worker.breaker.record_success(time.monotonic())
             return msg
 
-    async def final(self, flight: Flight) -> Token | Error:
+    async def final(self, flight: Flight, stops: list[str]) -> str | Error:
+        """The finish reason once the request is done ("stop" when a stop string ends it), or its error."""
         while True:
             msg = await self.next_message(flight)
-            if isinstance(msg, Error) or msg.finished:
+            if isinstance(msg, Error):
                 return msg
+            if self.output(flight, stops)[1]:
+                return "stop"
+            if msg.finished:
+                return msg.finish_reason
 
-    async def stream(self, flight: Flight, body: dict, chat: bool):
-        """SSE chunks of the new text as tokens arrive; closing it (the client left) aborts the request."""
+    async def stream(self, flight: Flight, body: dict, chat: bool, stops: list[str], usage: bool):
+        """SSE chunks of the new text as tokens arrive (text that may begin a stop string waits for the next
+        token), then the usage chunk if asked for; closing it (the client left) aborts the request."""
         kind = "chat.completion.chunk" if chat else "text_completion"
-        sent = ""
+        sent, reason = 0, "abort"
         try:
             while True:
                 msg = await self.next_message(flight)
                 if isinstance(msg, Error):
-                    if msg.status != 504:
-                        flight.ended = True
-                    status = msg.status or 500
-                    yield sse({"error": {"message": msg.message, "type": "server_error", "code": status}})
+                    reason = "error"
+                    yield sse({"error": {"message": msg.message, "type": "server_error", "code": msg.status or 500}})
                     break
-                text = self.tokenizer.decode(flight.tokens)
-                if text.endswith("\ufffd") and not msg.finished:
-                    continue  # half a UTF-8 character: wait for the rest
-                delta, sent = text[len(sent) :], text
-                choice = {"index": 0, "finish_reason": msg.finish_reason, "logprobs": None}
-                choice |= {"delta": {"role": "assistant", "content": delta}} if chat else {"text": delta}
-                if msg.finished:
-                    flight.ended = True
+                text, stopped = self.output(flight, stops)
+                finished = stopped or msg.finished
+                end = len(text) if finished else len(text) - held_back(text, stops)
+                if not finished and (text.endswith("\ufffd") or end <= sent):
+                    continue  # half a UTF-8 character, or text that may begin a stop string: wait for the rest
+                choice = {"index": 0, "finish_reason": None, "logprobs": None}
+                choice |= (
+                    {"delta": {"role": "assistant", "content": text[sent:end]}} if chat else {"text": text[sent:end]}
+                )
+                sent = end
+                if finished:
+                    reason = choice["finish_reason"] = "stop" if stopped else msg.finish_reason
                 yield sse({**body, "object": kind, "choices": [choice]})
-                if msg.finished:
+                if finished:
                     break
+            if usage and reason != "error":
+                yield sse({**body, "object": kind, "choices": [], "usage": self.usage(flight)})
             yield "data: [DONE]\n\n"
         finally:
-            await self.close(flight)
+            await self.close(flight, reason)
 
 
 def create_app(
@@ -279,6 +297,10 @@ def create_app(
     async def health():
         healthy = len(fleet.candidates())
         return {"status": "ok" if healthy else "unavailable", "replicas": len(fleet.workers), "healthy": healthy}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(front.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/fleet/stats")
     async def fleet_stats():

@@ -83,8 +83,8 @@ class RouterState(Migration):
         self.prefills: dict[str, tuple[Worker, asyncio.Future]] = {}  # request id -> its prefill leg's reply
         self.broken_pairs: set[tuple[str, str]] = set()  # (prefill, decode) pairs whose channel is closed
         self.transfer_faults: list[str] = []  # test hook: "garble" or "drop" breaks the next transfer
-        # seconds a decode replica waits for a prompt's KV before computing it: it cannot heartbeat meanwhile,
-        # so well under dead_after (a transfer on one machine takes milliseconds)
+        # seconds a decode replica waits for a prompt's KV before computing it: its loop serves nothing else
+        # meanwhile, so well under dead_after (a transfer on one machine takes milliseconds)
         self.transfer_timeout = dead_after / 2
         self.transfers = {"ok": 0, "failed": 0}  # as the decode replicas report them
 

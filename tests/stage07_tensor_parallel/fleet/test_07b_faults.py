@@ -6,6 +6,8 @@ version) for the streams, and the replicas' own counters for slots and finished 
 import concurrent.futures
 import json
 import random
+import threading
+import time
 
 import httpx
 import pytest
@@ -14,6 +16,7 @@ from fleet_helpers import greedy
 import labkit
 from labkit import checkpoint
 from labkit.model import from_pretrained
+from labkit.serving import serving
 
 FLEET = "stage07_tensor_parallel.fleet.launch"
 BREAKER = "stage07_tensor_parallel.fleet.breaker"
@@ -175,6 +178,46 @@ def kill_the_one_serving(fleet, killed: list[str]):
             fleet.kill(killed[0])
 
     return on_chunk
+
+
+@pytest.mark.in_process("the replica runs in a thread of this process, its engine's step slowed by the test")
+def test_a_step_longer_than_dead_after_is_not_death(impl, model):
+    """A replica's first step (a long prefill on a loaded machine) runs 2.5 x dead_after: its heartbeat goes on
+    from its own thread, so the router neither takes it for dead nor moves or fails the request, and two
+    requests sent meanwhile answer the model's greedy text."""
+    engine = impl("stage07_tensor_parallel.fleet.replica_engine").ReplicaEngine(model, num_slots=256, page_size=4)
+    step, slow = engine.step, [2.5 * DEAD_AFTER]
+
+    def slow_step():
+        if slow:
+            time.sleep(slow.pop())
+        return step()
+
+    engine.step = slow_step
+    replica = impl("stage07_tensor_parallel.fleet.replica").Replica(engine, "w0", 4, "127.0.0.1", 0, 0)
+    thread = threading.Thread(target=replica.run, daemon=True)
+    thread.start()
+    tokenizer = checkpoint.load_tokenizer(labkit.TARGET)
+    app = impl("stage07_tensor_parallel.fleet.router").create_app(
+        [f"tcp://127.0.0.1:{replica.port}"], tokenizer, policy="round_robin", dead_after=DEAD_AFTER
+    )
+    rng = random.Random(31)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(9)] for _ in range(2)]
+    try:
+        with serving(app) as url, concurrent.futures.ThreadPoolExecutor(2) as pool:
+            body = {"max_tokens": 5, "temperature": 0, "ignore_eos": True}
+            replies = list(pool.map(lambda p: httpx.post(url + "/v1/completions", json={**body, "prompt": p},
+                                                         timeout=60), prompts))  # fmt: skip
+            fleet = app.state.fleet
+            assert not slow, "the slow step never ran"
+            for r, p in zip(replies, prompts, strict=True):
+                assert r.status_code == 200, f"a {2.5 * DEAD_AFTER} s step with dead_after {DEAD_AFTER}: {r.text}"
+                assert r.json()["choices"][0]["text"] == tokenizer.decode(greedy(model, p, 5)), r.text
+            assert fleet.moved == 0 and fleet.workers["w0"].alive, "a replica busy with a long step is alive"
+    finally:
+        replica.close()
+        thread.join(10)
+    assert not thread.is_alive(), "Replica.close() stops its loop"
 
 
 @pytest.mark.dist
