@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 from fastapi.responses import JSONResponse
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from labkit.serving import invalid_field
 
@@ -59,6 +59,14 @@ class Sampling(BaseModel):
 class Completion(Sampling):
     prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+            raise ValueError(f"a batch of {len(prompt)} prompts; the router takes one per request (stage 04's "
+                             "server takes batches)")  # fmt: skip
+        return prompt
+
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -92,7 +100,8 @@ def refusal(e) -> JSONResponse:
     if first["type"] == "extra_forbidden":
         why = UNSERVED.get(name, "this router does not implement this field")
         return error(400, f"{name}: {why}; leave it out", name)
-    return error(400, f"{name}: {first['msg']}" if name else first["msg"], name)
+    message = first["msg"].removeprefix("Value error, ")
+    return error(400, f"{name}: {message}" if name else message, name)
 
 
 def stop_at(text: str, stops: list[str]) -> int | None:

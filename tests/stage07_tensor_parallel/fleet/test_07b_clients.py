@@ -109,10 +109,11 @@ def test_aiperf_streaming_chat_gets_its_usage_chunk_and_cached_tokens(fleet, cli
         ("/v1/completions", {"prompt": [5, 6], "logprobs": 1}, "logprobs", "computes no logprobs"),
         ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", ""]}, "stop.4", "at least 1 character"),
         ("/v1/completions", {"prompt": [5, 10**6]}, "prompt", "vocabulary"),
+        ("/v1/completions", {"prompt": [[5, 6], [7, 8]], "max_tokens": 1}, "prompt", "one per request"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
          "max_completion_tokens", "greater than"),
     ],
-    ids=["stream_options", "structured_outputs", "echo", "logprobs", "stop", "vocabulary", "max_completion_tokens"],
+    ids=["stream_options", "structured_outputs", "echo", "logprobs", "stop", "vocabulary", "batch", "max_completion_tokens"],
 )  # fmt: skip
 def test_a_field_the_fleet_cannot_serve_is_named(fleet, path, body, param, why):
     with httpx.Client(base_url=fleet.url, timeout=60) as c:
