@@ -144,6 +144,24 @@ def create_app(
             prompt_param=param,
         )
 
+    def submit(prompt_ids: list[list[int]], params) -> tuple[list[list[str]], list[list[asyncio.Queue]]] | Response:
+        """Each prompt as its own request of the engine's batch: the ids of its n sequences and their queues
+        (the engine forks the n - 1 siblings, whose outputs need queues before the loop runs), or the 429."""
+        submitted: list[tuple[str, asyncio.Queue]] = []
+        try:
+            for ids in prompt_ids:
+                submitted.append(core.submit(ids, params))
+        except QueueFull as e:
+            for request_id, _ in submitted:
+                core.abort(request_id)
+            return error(429, f"server busy: {e}; retry later", headers={"Retry-After": "1"})
+        families = [sibling_ids(request_id, params.n) for request_id, _ in submitted]
+        queues = [
+            [queue] + [core.queues.setdefault(i, asyncio.Queue()) for i in family[1:]]
+            for family, (_, queue) in zip(families, submitted, strict=True)
+        ]
+        return families, queues
+
     async def create_completion(request: Request, chat: bool) -> Response:
         req = await read_request(request, ChatCompletionRequest if chat else CompletionRequest, max_body_bytes)
         if isinstance(req, Response):
@@ -184,24 +202,13 @@ def create_app(
         problem = core.health()
         if problem:
             return error(503, f"the engine is unavailable: {problem}")
-        params = dataclasses.replace(req.to_sampling_params(), lora=lora)
-        submitted: list[tuple[str, asyncio.Queue]] = []  # each prompt is a request of the engine's batch
-        try:
-            for ids in prompt_ids:
-                submitted.append(core.submit(ids, params))
-        except QueueFull as e:
-            for request_id, _ in submitted:
-                core.abort(request_id)
-            return error(429, f"server busy: {e}; retry later", headers={"Retry-After": "1"})
-        # n > 1: the engine forks n - 1 siblings under these ids; their outputs need queues before the loop runs
-        families = [sibling_ids(request_id, req.n) for request_id, _ in submitted]
-        queues = [
-            [queue] + [core.queues.setdefault(i, asyncio.Queue()) for i in family[1:]]
-            for family, (_, queue) in zip(families, submitted, strict=True)
-        ]
+        submitted = submit(prompt_ids, dataclasses.replace(req.to_sampling_params(), lora=lora))
+        if isinstance(submitted, Response):
+            return submitted
+        families, queues = submitted
         echo = getattr(req, "echo", False)
         reply = ResponseBuilder(
-            request_id=submitted[0][0],
+            request_id=families[0][0],
             model=req.model or model_name,
             chat=chat,
             num_prompt_tokens=sum(len(ids) for ids in prompt_ids),
