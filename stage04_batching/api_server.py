@@ -20,7 +20,7 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
@@ -42,6 +42,7 @@ from .protocol import (
     ResponseBuilder,
     SamplingRequest,
     error,
+    error_body,
     render_chat,
     sse,
     validation_error,
@@ -73,7 +74,8 @@ def create_app(
     """The FastAPI app over `engine` (whose steps it runs) and its `tokenizers.Tokenizer`.
 
     max_waiting: requests allowed to wait for admission before new ones get 429.
-    request_timeout: seconds a request may wait for its next output before it fails with 504.
+    request_timeout: seconds a request may wait for its next output while the engine completes no step before it
+        fails with 504 (one queued behind other requests' long prefills on a loaded machine waits on).
     stall_timeout: seconds one engine step may run before /health reports the engine stalled.
     chat_template: from protocol.load_chat_template; None formats chats as `role: content` lines.
     """
@@ -220,13 +222,16 @@ def create_app(
         )
         if req.stream:
             streams = [
-                stream_events(core, i, q, functools.partial(reply.chunk, prompt=p), request_timeout)
+                stream_events(core, i, q, functools.partial(reply.chunk, prompt=p), None)  # merge_streams times out
                 for p, (family, prompt_queues) in enumerate(zip(families, queues, strict=True))
                 for i, q in zip(family, prompt_queues, strict=True)
             ]
-            return StreamingResponse(merge_streams(streams, reply), media_type="text/event-stream")
+            merged = merge_streams(streams, reply, lambda: core.num_steps, request_timeout)
+            return StreamingResponse(merged, media_type="text/event-stream")
         try:
-            outs = await until_disconnected(request, final_outputs([q for qs in queues for q in qs], request_timeout))
+            outs = await until_disconnected(
+                request, final_outputs([q for qs in queues for q in qs], lambda: core.num_steps, request_timeout)
+            )
         finally:
             for i in (i for family in families for i in family):
                 core.abort(i)  # frees the blocks on timeout or disconnect; a no-op once it finished
@@ -285,35 +290,43 @@ async def read_request(request: Request, schema: type[SamplingRequest], max_byte
         return error(400, f"the body is not valid JSON: {e}")
 
 
-async def final_output(queue: asyncio.Queue, timeout: float) -> RequestOutput | EngineError:
-    """The last output of a non-streaming request, its EngineError, or EngineError(504) after `timeout`
-    seconds without an output."""
+async def next_item(queue: asyncio.Queue, steps: Callable[[], int], timeout: float) -> RequestOutput | EngineError:
+    """The queue's next item, or EngineError(504) once `timeout` seconds pass in which it gets none and the
+    engine completes no step (`steps()` counts them): a stuck engine, not a long queue."""
+    seen = steps()
     while True:
         try:
-            item = await asyncio.wait_for(queue.get(), timeout)
+            return await asyncio.wait_for(queue.get(), timeout)
         except TimeoutError:
-            return EngineError(status=504, message=f"no output for {timeout} s")
-        if isinstance(item, EngineError) or item.finished:
-            return item
+            if steps() == seen:
+                return EngineError(status=504, message=f"no output and no engine step for {timeout} s")
+            seen = steps()
 
 
-async def final_outputs(queues: list[asyncio.Queue], timeout: float) -> list[RequestOutput] | EngineError:
+async def final_outputs(
+    queues: list[asyncio.Queue], steps: Callable[[], int], timeout: float
+) -> list[RequestOutput] | EngineError:
     """The last output of each of a request's n sequences, or the first EngineError among them (the
     first sequence's comes first: if the engine refuses the request, its siblings never start)."""
     outs = []
     for queue in queues:
-        out = await final_output(queue, timeout)
+        out = await next_item(queue, steps, timeout)
+        while not isinstance(out, EngineError) and not out.finished:
+            out = await next_item(queue, steps, timeout)
         if isinstance(out, EngineError):
             return out
         outs.append(out)
     return outs
 
 
-async def merge_streams(streams: list[AsyncIterator[str]], reply: ResponseBuilder) -> AsyncIterator[str]:
+async def merge_streams(
+    streams: list[AsyncIterator[str]], reply: ResponseBuilder, steps: Callable[[], int], timeout: float
+) -> AsyncIterator[str]:
     """The events of a request's n streams as one: each choice's chunks as they come; an error event ends
     the others; then the usage chunk (stream_options.include_usage) and one [DONE], sent once every stream
-    still running has sent its own. Closing this generator (the client left) cancels the streams, and
-    each aborts its sequence."""
+    still running has sent its own. No event for `timeout` seconds while the engine completes no step ends
+    it with a 504 error event. Closing this generator (the client left) cancels the streams, and each aborts
+    its sequence."""
     events: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: AsyncIterator[str]) -> None:
@@ -327,7 +340,12 @@ async def merge_streams(streams: list[AsyncIterator[str]], reply: ResponseBuilde
     try:
         ended, done, failed = set(), set(), None
         while len(ended) < len(tasks):
-            i, event = await events.get()
+            item = await next_item(events, steps, timeout)
+            if isinstance(item, EngineError):
+                yield sse(error_body(item.status, item.message))
+                yield SSE_DONE
+                return
+            i, event = item
             if event is None:
                 ended.add(i)
             elif event == SSE_DONE:

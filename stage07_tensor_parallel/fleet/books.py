@@ -31,6 +31,8 @@ class Worker:
     served: int = 0  # requests routed to it since the router started
     replies: dict[str, asyncio.Future] = field(default_factory=dict)  # "stats" -> the pending reply
     last_seen: float = field(default_factory=time.monotonic)  # when it last sent anything (heartbeats too)
+    steps: int = 0  # engine steps it had started by its latest heartbeat
+    progressed: float = field(default_factory=time.monotonic)  # when that count last moved
     alive: bool = True  # heard from within dead_after seconds
     breaker: object = None  # a breaker.CircuitBreaker, or None (no breaker)
     role: str = "both"  # "prefill" replicas only compute prompts and send their KV to "decode" ones

@@ -160,6 +160,7 @@ class Heartbeat:
     kind: ClassVar[str] = "heartbeat"
     worker: str
     seq: int
+    steps: int = 0  # engine steps completed so far: a replica whose count moves is busy, not stuck
 
 
 REQUESTS = {m.type: m for m in (Hello, Generate, Abort, AskSnapshot, AskStats)}

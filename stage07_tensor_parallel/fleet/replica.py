@@ -87,6 +87,7 @@ class Replica:
         self.finish_reasons: Counter = Counter()  # how requests ended: stop, length, abort, error
         self.pub_lock = threading.Lock()  # two threads publish (events, heartbeats); a zmq socket is not thread-safe
         self.closed = threading.Event()
+        self.steps = 0  # engine steps completed, which each heartbeat reports
         engine.on_kv_event = self.publish
 
     @staticmethod
@@ -105,7 +106,7 @@ class Replica:
         """Every HEARTBEAT_S until close(), whatever the engine is doing: the router reads silence as death."""
         while True:
             with self.pub_lock:
-                self.pub.send_json(encode(Heartbeat(self.name, self.seq)))
+                self.pub.send_json(encode(Heartbeat(self.name, self.seq, self.steps)))
             if self.closed.wait(HEARTBEAT_S):
                 return
 
@@ -162,6 +163,7 @@ class Replica:
             self.sends[rid] = (int(msg.kv_to), list(msg.prompt), msg.fault)
 
     def step(self) -> None:
+        self.steps += 1
         try:
             outs = self.engine.step()
         except Exception as e:  # noqa: BLE001 — the process must outlive one bad step; every client hears of it

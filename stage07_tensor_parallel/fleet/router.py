@@ -175,8 +175,10 @@ class Front:
             try:
                 msg, via = await asyncio.wait_for(flight.queue.get(), self.request_timeout)
             except TimeoutError:
+                if time.monotonic() - flight.worker.progressed < self.request_timeout:
+                    continue  # its replica is stepping (other requests' prefills, on a loaded machine): queued
                 fleet.failed(flight.worker)
-                return Error(flight.rid, f"no token from the replica for {self.request_timeout} s", status=504)
+                return Error(flight.rid, f"no token and no engine step for {self.request_timeout} s", status=504)
             if via is not None and via is not flight.worker:
                 continue  # queued by a replica this request moved away from (a slow one taken for dead)
             if isinstance(msg, Lost):
@@ -263,7 +265,7 @@ def create_app(
 
     tokenizer: a tokenizers.Tokenizer; render_chat: turns -> prompt (chat_template(folder));
     eos_token_id: a stop token unless a request sets ignore_eos; request_timeout: seconds without a token
-    before a request fails with 504; drop_events: the fraction of KV events to drop (a lossy network);
+    while its replica completes no step (heartbeats count them) before a request fails with 504; drop_events: the fraction of KV events to drop (a lossy network);
     breaker: () -> a breaker.CircuitBreaker for each replica (None: no breaker); admission: an
     admission.AdmissionControl (None: every request is queued); dead_after: seconds of silence after which
     a replica is dead and its requests move.

@@ -169,6 +169,8 @@ class RouterState(Migration):
                 self.dropped += 1
                 continue
             event = decode_event(msg)
+            if event.kind == "heartbeat" and event.steps != self.workers[name].steps:
+                self.workers[name].steps, self.workers[name].progressed = event.steps, time.monotonic()
             if event.kind == "heartbeat":
                 if event.seq > self.index.seq[name] and name not in self.index.needs_snapshot():
                     await self.ask_snapshot(name)  # the latest events were lost (or this router is new)
