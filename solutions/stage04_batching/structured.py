@@ -76,6 +76,7 @@ class TokenTrie:
     byte: np.ndarray  # (N,) int64: the byte from parent[n] to n
     levels: list[int]  # the nodes of depth d are levels[d]:levels[d + 1] (levels[0], levels[1] = 0, 1: the root)
     token_node: np.ndarray  # (V,) int64: the node where token t's bytes end; N (no node) for a token with no bytes
+    single_bytes: frozenset[int]  # the bytes that are a token by themselves
 
 
 def token_trie(vocab: list[bytes | None]) -> TokenTrie:
@@ -88,7 +89,8 @@ def token_trie(vocab: list[bytes | None]) -> TokenTrie:
     depth = np.array([0] + [len(p) for p in prefixes])
     levels = np.searchsorted(depth, np.arange(depth[-1] + 2)).tolist()
     token_node = np.array([node[data] if data else len(node) for data in vocab], dtype=np.int64)
-    return TokenTrie(parent, byte, levels, token_node)
+    single_bytes = frozenset(data[0] for data in vocab if data and len(data) == 1)
+    return TokenTrie(parent, byte, levels, token_node, single_bytes)
 
 
 def state_mask(
@@ -206,7 +208,15 @@ class Guide:
 
     @property
     def is_finished(self) -> bool:
-        """Nothing but EOS may follow: the output is complete (a request stops here without sampling EOS)."""
+        """Nothing but EOS may follow: the output is complete (a request stops here without sampling EOS).
+        Read off the automaton where it can be (a state that reads no byte; a byte that is a token by itself),
+        so that the engine learns it without computing the new state's row, which it leaves to the next step's
+        mask thread; only a vocabulary without that one-byte token needs the row."""
+        trie, reads = self.index.trie, self.index.dfa.transitions[self.state]
+        if trie is not None and not reads:
+            return True
+        if trie is not None and not trie.single_bytes.isdisjoint(reads):
+            return False
         allowed = self.allowed()
         return int(allowed.sum()) - int(allowed[self.index.eos_token_id]) == 0
 
