@@ -110,13 +110,13 @@ def state_mask(
     children are; once a whole level is dead you may stop. A token's state is its node's
     (trie.token_node; index N, past the last node, is where the tokens without bytes point: keep it dead).
     """
-    table, dead = dfa.table, dfa.num_states
+    table, dead = dfa.table.ravel(), dfa.num_states  # table[s * 256 + b]: one gather, faster than 2-D indexing
     at = np.full(len(trie.parent) + 1, dead, dtype=np.int64)  # each node's state; the extra last entry stays dead
     at[0] = state
     for lo, hi in zip(trie.levels[1:-1], trie.levels[2:], strict=True):  # depth 1, 2, ...
-        at[lo:hi] = table[at[trie.parent[lo:hi]], trie.byte[lo:hi]]
-        if (at[lo:hi] == dead).all():
-            break  # a level all dead: every node below it is dead too, and `at` already says so
+        at[lo:hi] = table[at[trie.parent[lo:hi]] * 256 + trie.byte[lo:hi]]
+        if at[lo:hi].min() == dead:
+            break  # a level all dead (dead is the largest state): so is every node below it, as `at` already says
     next_state = at[trie.token_node]
     next_state[next_state == dead] = -1
     if state in dfa.accepting:

@@ -160,8 +160,8 @@ MUTANTS = [
     ),
     dict(
         file="structured.py",
-        find="        at[lo:hi] = table[at[trie.parent[lo:hi]], trie.byte[lo:hi]]",
-        replace="        at[lo:hi] = table[state, trie.byte[lo:hi]]",
+        find="        at[lo:hi] = table[at[trie.parent[lo:hi]] * 256 + trie.byte[lo:hi]]",
+        replace="        at[lo:hi] = table[state * 256 + trie.byte[lo:hi]]",
         bug="state_mask reads every byte of a token from the row's state (checks bytes one by one, not as a walk)",
     ),
     dict(
@@ -172,8 +172,8 @@ MUTANTS = [
     ),
     dict(
         file="structured.py",
-        find="        at[lo:hi] = table[at[trie.parent[lo:hi]], trie.byte[lo:hi]]",
-        replace="        at[lo:hi] = table[at[lo:hi], trie.byte[lo:hi]]",
+        find="        at[lo:hi] = table[at[trie.parent[lo:hi]] * 256 + trie.byte[lo:hi]]",
+        replace="        at[lo:hi] = table[at[lo:hi] * 256 + trie.byte[lo:hi]]",
         bug="state_mask looks a node's byte up from the node's own (unset) state instead of its parent's",
     ),
     dict(
@@ -184,8 +184,8 @@ MUTANTS = [
     ),
     dict(
         file="structured.py",
-        find="        if (at[lo:hi] == dead).all():",
-        replace="        if (at[lo:hi] == dead).any():",
+        find="        if at[lo:hi].min() == dead:",
+        replace="        if at[lo:hi].max() == dead:",
         bug="state_mask stops at the first level with any dead node, not one where every node is dead",
     ),
     dict(
