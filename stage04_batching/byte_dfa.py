@@ -379,7 +379,9 @@ def compile_regex(pattern: str | bytes) -> DFA:
     if cells:
         by_class[tuple(np.array(cells).T[:2])] = np.array(cells)[:, 2]
     dfa = DFA(transitions, {new[s] for s in accepting if s in new})
-    dfa.table = by_class[:, class_of]  # built here, where compiling runs (the server's worker process)
+    dfa.table = np.ascontiguousarray(
+        by_class[:, class_of]
+    )  # C order: a row per state; built here, where compiling runs (the server's worker process)
     return dfa
 
 
