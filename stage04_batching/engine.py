@@ -182,6 +182,7 @@ class LLMEngine:
         self._vocab_trie: TokenTrie | None = None
         self._index_lock = threading.Lock()  # the server compiles on worker threads while the engine steps
         self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="masks")  # rows computed beside the forward
+        self.guided_backend = None  # a guided_backends.LibraryBackend; None: the course's own token index
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
@@ -209,12 +210,19 @@ class LLMEngine:
         seqs = [Sequence(i, ids, params, index) for index, i in enumerate(family)]
         for seq in seqs:
             if params.guided_regex is not None:
-                seq.guide = Guide(self.token_index(params.guided_regex))
+                seq.guide = self.new_guide(params.guided_regex)
             self.requests[seq.request_id] = seq
         if params.n > 1:
             self.unforked[request_id] = seqs[1:]
         self.scheduler.add(seqs[0])
         return request_id
+
+    def new_guide(self, pattern: str | bytes) -> Guide:
+        """One sequence's guide: the course's Guide over the pattern's token index, or, with a guided_backend
+        set (guided_backends.py: llguidance, XGrammar), that library's guide behind the same interface."""
+        if self.guided_backend is not None:
+            return self.guided_backend.guide(pattern)
+        return Guide(self.token_index(pattern))
 
     def vocab_trie(self) -> TokenTrie:
         """The trie of the vocabulary's bytes that every token index walks (built once, on first use)."""
