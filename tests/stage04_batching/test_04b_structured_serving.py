@@ -228,8 +228,7 @@ def test_a_library_behind_the_guided_backend_interface_gives_valid_json_too(impl
     """`--guided-decoding-backend llguidance|xgrammar` (optional packages, `make guided`): the engine's guides
     come from the library instead of the course's token index, and every sampled output is still valid."""
     pytest.importorskip(backend)
-    from stage04_batching.guided_backends import LibraryBackend
-
+    LibraryBackend = impl("stage04_batching.guided_backends").LibraryBackend
     engine_mod, sequence, structured = (impl(f"stage04_batching.{m}") for m in ("engine", "sequence", "structured"))
     schema = SCHEMAS[0]
     model = make_model(0, vocab_size=tokenizer.get_vocab_size())
