@@ -6,7 +6,7 @@ IMPL ?= solution
 export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup test grade lab bench serve lint format llamacpp student-edition mutants
+.PHONY: setup test grade lab bench serve lint format llamacpp guided student-edition mutants
 
 ## make setup: the venv, then the real model (SmolLM2-135M-Instruct) converted once from its GGUF into
 ## ~/.cache/llm-course (LABKIT_REAL_MODEL=folder to put it elsewhere); re-running is a no-op
@@ -45,7 +45,7 @@ lab: setup
 
 ## make bench STAGE=02 [QUICK=1] [MODEL=dir DRAFT=dir]: one stage's benchmark (reference solution unless
 ## IMPL=student) on the tiny pair or your HF-format Llama folders; QUICK=1 saves to bench_results/*_quick.*
-bench: setup $(if $(filter 03b decode,$(STAGE)),llamacpp)
+bench: setup $(if $(filter 03b decode,$(STAGE)),llamacpp) $(if $(filter 04b_guided,$(STAGE)),guided)
 	@test -n "$(STAGE)" || { echo "usage: make bench STAGE=02"; exit 2; }
 	LABS_IMPL=$(IMPL) $(PY) -m labkit.bench $(STAGE) $(if $(QUICK),--quick)
 
@@ -53,6 +53,12 @@ bench: setup $(if $(filter 03b decode,$(STAGE)),llamacpp)
 llamacpp: setup
 	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "building llama.cpp from source (about 4 minutes on 2 idle cores)"; \
 	  CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF" $(PY) -m pip install -q --disable-pip-version-check -r requirements-llamacpp.txt; }
+
+## make guided: the optional llguidance and XGrammar wheels that stage 04b's guided-decoding benchmark runs beside the
+## course's masks (--no-deps: what they need is already in requirements.txt, and pip must not fetch a CUDA torch)
+guided: setup
+	@$(PY) -c "import llguidance, xgrammar" 2>/dev/null || \
+	  $(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-guided.txt
 
 ## make serve [IMPL=student] [MODEL=tiny|dir]: stage 04's OpenAI-compatible server, 127.0.0.1:8000, on SmolLM2 unless MODEL says otherwise
 serve: setup

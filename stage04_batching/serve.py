@@ -20,6 +20,7 @@ from labkit.serving import fail_on_marker
 from .api_server import create_app
 from .config import EngineConfig
 from .engine import LLMEngine
+from .guided_backends import BACKENDS, LibraryBackend
 from .lora import AdapterRegistry
 from .lora_engine import LoRAEngine
 from .protocol import load_chat_template
@@ -54,6 +55,13 @@ def main(argv=None) -> None:
         help="requests whose prompt holds this text fail inside the engine step "
         "(to check fault isolation with labkit.bench.loadtest --chaos)",
     )
+    ap.add_argument(
+        "--guided-decoding-backend",
+        choices=BACKENDS,
+        default="course",
+        help="what computes guided_regex / response_format masks: your token index (course), or the optional "
+        "llguidance or XGrammar (`make guided`), as vLLM's flag of that name",
+    )
     EngineConfig.add_cli_args(ap)
     args = ap.parse_args(argv)
     tokenizer = load_tokenizer(args.model)
@@ -67,6 +75,10 @@ def main(argv=None) -> None:
         engine = LoRAEngine(model, tokenizer, registry, config)
     else:
         engine = LLMEngine(model, tokenizer, config)
+    if args.guided_decoding_backend != "course":
+        engine.guided_backend = LibraryBackend(
+            args.guided_decoding_backend, tokenizer, model.config.vocab_size, model.config.eos_token_id
+        )
     if args.fault_marker:
         engine.fault_hook = fail_on_marker(tokenizer, args.fault_marker)
     app = create_app(

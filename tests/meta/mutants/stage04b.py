@@ -142,51 +142,63 @@ MUTANTS = [
     # structured.py: state_mask
     dict(
         file="structured.py",
-        find="    if state in dfa.accepting:\n        ids.append(eos_token_id), ends.append(state)\n",
+        find="    if state in dfa.accepting:\n        next_state[eos_token_id] = state\n",
         replace="",
         bug="state_mask never allows EOS (forgets the accepting states)",
     ),
     dict(
         file="structured.py",
-        find="    if state in dfa.accepting:\n        ids.append(eos_token_id), ends.append(state)\n",
-        replace="    ids.append(eos_token_id), ends.append(state)\n",
+        find="    if state in dfa.accepting:\n        next_state[eos_token_id] = state\n",
+        replace="    next_state[eos_token_id] = state\n",
         bug="state_mask allows EOS in every state, accepting or not",
     ),
     dict(
         file="structured.py",
-        find="ids.append(eos_token_id), ends.append(state)",
-        replace="ids.append(eos_token_id), ends.append(dfa.initial)",
+        find="        next_state[eos_token_id] = state",
+        replace="        next_state[eos_token_id] = dfa.initial",
         bug="state_mask sends EOS back to the initial state",
     ),
     dict(
         file="structured.py",
-        find="        step = dfa.transitions[at]",
-        replace="        step = dfa.transitions[state]",
+        find="        at[lo:hi] = table[at[trie.parent[lo:hi]] * 256 + trie.byte[lo:hi]]",
+        replace="        at[lo:hi] = table[state * 256 + trie.byte[lo:hi]]",
         bug="state_mask reads every byte of a token from the row's state (checks bytes one by one, not as a walk)",
     ),
     dict(
         file="structured.py",
-        find="                ids.append(t), ends.append(nxt)",
-        replace="                ids.append(t), ends.append(at)",
+        find="    next_state = at[trie.token_node]",
+        replace="    next_state = at[trie.parent[np.minimum(trie.token_node, len(trie.parent) - 1)]]",
         bug="state_mask records the state before the token's last byte as its next state",
     ),
     dict(
         file="structured.py",
-        find="            todo.append((child, nxt))",
-        replace="            todo.append((child, at))",
-        bug="state_mask walks a node's children from its parent's state",
+        find="        at[lo:hi] = table[at[trie.parent[lo:hi]] * 256 + trie.byte[lo:hi]]",
+        replace="        at[lo:hi] = table[at[lo:hi] * 256 + trie.byte[lo:hi]]",
+        bug="state_mask looks a node's byte up from the node's own (unset) state instead of its parent's",
     ),
     dict(
         file="structured.py",
-        find="            todo.append((child, nxt))\n",
-        replace="",
+        find="zip(trie.levels[1:-1], trie.levels[2:], strict=True)",
+        replace="zip(trie.levels[1:2], trie.levels[2:3], strict=True)",
         bug="state_mask stops at the trie's first level: no token of two or more bytes is ever allowed",
     ),
     dict(
         file="structured.py",
-        find="    next_state = torch.full((vocab_size,), -1, dtype=torch.int64)",
-        replace="    next_state = torch.zeros((vocab_size,), dtype=torch.int64)",
-        bug="state_mask leaves next_state 0 (a real state) for disallowed tokens instead of -1",
+        find="        if at[lo:hi].min() == dead:",
+        replace="        if at[lo:hi].max() == dead:",
+        bug="state_mask stops at the first level with any dead node, not one where every node is dead",
+    ),
+    dict(
+        file="structured.py",
+        find="    at = np.full(len(trie.parent) + 1, dead, dtype=np.int64)",
+        replace="    at = np.full(len(trie.parent) + 1, state, dtype=np.int64)",
+        bug="state_mask starts every node at the row's state: tokens without bytes are allowed, and nodes below a dead level keep it",
+    ),
+    dict(
+        file="structured.py",
+        find="    next_state[next_state == dead] = -1\n",
+        replace="",
+        bug="state_mask leaves the dead state's number (a real-looking state) for disallowed tokens instead of -1",
     ),
     # structured.py: mask_logits
     dict(
@@ -316,8 +328,8 @@ MUTANTS = [
     # issue #37: edges (test_04b_edges.py)
     dict(
         file="structured.py",
-        find="    todo = [(trie, state)]\n",
-        replace="    todo = [] if state in dfa.accepting else [(trie, state)]\n",
+        find="    at[0] = state\n",
+        replace="    at[0] = dead if state in dfa.accepting else state\n",
         bug="state_mask allows only EOS in an accepting state, even one the match can continue from",
     ),
     dict(
