@@ -13,9 +13,9 @@ TODOs of the learner modules it imports, a given function of a learner module as
     todos(...)  the TODO names the test calls, which the grader reads to tell which TODO a failure belongs to
     in_process  the test needs the learner's objects themselves (the grader's --submission, INSTRUCTORS.md)
 
-Order: part 2 follows part 1; within a part, files run by their file's section, test_NN_families.py last
-among equals, the others by name. Tests inside a file keep pytest's order, so module- and parameter-scoped
-fixtures stay grouped; folders keep theirs.
+Order (`pytest -x` stops at the first failure in handout order): by notebook, then section, whatever the
+file; within a section, the tests that call only its own TODOs before those that also need another section's,
+test_NN_families.py last among equals, then by file name, and pytest's order inside a file. Folders keep theirs.
 """
 
 import ast
@@ -29,7 +29,7 @@ from labkit.grading import todo
 
 ROOT = Path(__file__).resolve().parent.parent
 MODULE_NAME = re.compile(r"[\"'](stage\d\d_\w+)\.(\w+)[\"']")
-UNPLACED = (True, 10**6)  # files that grade no particular section run after the others
+LAST = (10**6, 0)  # tests of no section run after the others
 # Whole folders whose tests drive the learner's objects themselves (the grader's --submission).
 IN_PROCESS_FOLDERS = {
     "stage04_batching": "the engine runs behind an asyncio server and the tests drive it with stub "
@@ -61,27 +61,15 @@ def learner_modules(folder: str, name: str) -> set[str]:
 
 
 @cache
-def module_section(folder: str, name: str) -> tuple[bool, int] | None:
-    """(part 2?, k) of the first section a stage module's TODOs point to."""
-    sections = [(nb != 1, k) for _, (nb, k) in stage_todos(folder).get(name, [])]
-    return min(sections, default=None)
-
-
-@cache
 def file_info(path: Path):
-    """(the file's sort key, its AST's top-level definitions, the TODOs it may call, every name it mentions)."""
+    """((part 2?, its docstring's §k or None), its AST's top-level definitions, the TODOs it may call, every name it mentions)."""
     text = path.read_text()
     tree = ast.parse(text)
     part2 = re.match(r"test_\d\db_", path.name) is not None
-    families = path.stem.endswith("_families")  # needs the whole section: after its focused tests
     folder = path.parent.name
     named = {ref for ref in MODULE_NAME.findall(text) if ref[0] == folder}
     docstring = re.match(r"§(\d+)", ast.get_docstring(tree) or "")  # "§3–§4 positions, …"
-    if docstring:
-        key = (part2, int(docstring.group(1)), families)
-    else:
-        sections = [s for s in (module_section(*ref) for ref in named) if s]
-        key = (*max(sections, default=UNPLACED), families)
+    key = (part2, int(docstring.group(1)) if docstring else None)
     modules = {m for _, name in named for m in learner_modules(folder, name)}
 
     def todos_of(modules):
@@ -95,9 +83,8 @@ def file_info(path: Path):
     return key, defs, candidates, _names(tree)
 
 
-@cache
 def docstring_section(path: Path) -> bool:
-    return re.match(r"§\d", ast.get_docstring(ast.parse(path.read_text())) or "") is not None
+    return file_info(path)[0][1] is not None
 
 
 @cache
@@ -178,9 +165,10 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    folders = {}
-    for item in items:
+    folders, order = {}, {}
+    for i, item in enumerate(items):
         folders.setdefault(item.path.parent, len(folders))
+        order[id(item)] = (folders[item.path.parent], LAST, True, False, item.path.name, i)
         if not (item.path.parent.name.startswith("stage") and item.path.name.startswith("test_")):
             continue
         called = called_todos(item)
@@ -192,10 +180,9 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.todos(*sorted({name for name, _ in called})))
         if reason := IN_PROCESS_FOLDERS.get(item.path.parent.name):
             item.add_marker(pytest.mark.in_process(reason))
-
-    def key(indexed):
-        i, item = indexed
-        stage_test = item.path.parent.name.startswith("stage") and item.path.name.startswith("test_")
-        return folders[item.path.parent], file_info(item.path)[0] if stage_test else (False, 0, False), i
-
-    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+        # Handout order: notebook, then section; a section's own unit tests before its tests that also need
+        # another section's TODOs (stage 04's engine tests of §5 need §4's scheduler too).
+        mixed = any(sec != section for _, sec in called)
+        families = item.path.stem.endswith("_families")  # needs the whole section: after its focused tests
+        order[id(item)] = (folders[item.path.parent], section or LAST, mixed, families, item.path.name, i)
+    items.sort(key=lambda item: order[id(item)])

@@ -554,3 +554,66 @@ def test_the_instructors_report_does_not_end_with_the_learners_next_step(capsys)
     assert "lab.ipynb" not in capsys.readouterr().out
     grade.print_table([row | {"status": "complete", "hint": "", "todos": []}], verbose=False)
     assert "Work a stage in its lab.ipynb" in capsys.readouterr().out
+
+
+# --- the edit-check loop (issue 45) ----------------------------------------------------------------
+
+MIXED = """
+def test_sub_then_add(impl):
+    toy = impl("stage01_forward_numpy.toy")
+    assert toy.add(toy.sub(5, 3), 1) == 3
+"""
+
+
+def test_a_failure_raised_by_another_todo_waits_on_it_apart_from_the_learners_own(course):
+    """sub (§2) written, add (§1) untouched: a §2 test that also calls add fails on add's
+    NotImplementedError, which is add's to fix. It counts as waiting on §1 add, apart; sub's own
+    failure is the one its line shows, and `pytest -x -m s2` runs sub's own test first."""
+    (course / "tests" / "stage01_forward_numpy" / "test_01_toy.py").write_text(MIXED + TESTS["test_01_toy.py"])
+    write_learner(course, SKELETON.replace('raise NotImplementedError("stage01: sub — see lab.ipynb §2")', "return 0"))
+    (row,) = rows(course)
+    sub = next(t for t in row["todos"] if t["name"] == "sub")
+    assert (sub["state"], sub["failed"], sub["waiting"], sub["waiting_on"]) == ("fails", 1, 1, "§1 add"), sub
+    assert sub["test"] == "test_sub_is_exact", "the learner's own failure is the one shown"
+    assert "1 waiting on §1 add" in grade._todo_line(sub)
+
+    write_learner(
+        course, SKELETON.replace('raise NotImplementedError("stage01: sub — see lab.ipynb §2")', "return a - b")
+    )
+    (row,) = rows(course)
+    sub = next(t for t in row["todos"] if t["name"] == "sub")
+    assert (sub["state"], sub["failed"], sub["waiting"]) == ("waiting", 0, 1), sub
+    assert "waiting on §1 add" in grade._todo_line(sub) and "✗" not in grade._todo_line(sub)
+    assert "stage01: add — see lab.ipynb §1" in row["hint"], "the hint is still the untouched TODO"
+
+    env = os.environ | {"PYTHONPATH": str(course)}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--co", "-q", "-m", "s2", "-p", "no:cacheprovider"],
+        cwd=course,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    ids = [line.rsplit("::", 1)[-1] for line in out.stdout.splitlines() if "::" in line]
+    assert ids == ["test_sub_is_exact", "test_sub_then_add"], out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_every_rows_tests_run_in_handout_order():
+    """`pytest -x` on any row stops at the first failure in handout order: notebook, then section
+    (07b's lab2 before its lab5, 04b's lab2 before its lab3, stage 07 opens on §1), and within a
+    section the tests of its own TODOs before those that also need another section's."""
+    from labkit import STAGES
+
+    collected = grade.collect(ROOT, list(STAGES), os.environ | {"PYTHONPATH": str(ROOT)})
+    for number, tests in collected.items():
+        part2 = len(number) == 3  # a name may be a TODO of both parts (02's and 02b's kv_bytes_per_token)
+        found = [(n, s) for f in todo.stage_todos(ROOT, STAGES[number][0]).values() for n, s in f]
+        sections = {n: tuple(s) for n, s in found if (s[0] != 1) == part2}
+        keys = []
+        for t in tests:
+            section = tuple(t["section"]) if t["section"] else (10**6, 0)
+            keys.append((section, any(sections[n] != section for n in t["todos"])))
+        wrong = next((i for i in range(1, len(keys)) if keys[i] < keys[i - 1]), None)
+        assert wrong is None, f"row {number}: {tests[wrong]['id']} {keys[wrong]} runs after {keys[wrong - 1]}"
+    assert collected["07"][0]["section"] == [1, 1], f"stage 07's -x opens on {collected['07'][0]['id']}"
