@@ -19,6 +19,7 @@ test_NN_families.py last among equals, then by file name, and pytest's order ins
 """
 
 import ast
+import itertools
 import re
 from functools import cache
 from pathlib import Path
@@ -28,6 +29,7 @@ import pytest
 from labkit.grading import todo
 
 ROOT = Path(__file__).resolve().parent.parent
+SECTION_MARK = re.compile(r"\b(?:lab\d_)?s\d+\b")
 MODULE_NAME = re.compile(r"[\"'](stage\d\d_\w+)\.(\w+)[\"']")
 LAST = (10**6, 0)  # tests of no section run after the others
 # Whole folders whose tests drive the learner's objects themselves (the grader's --submission).
@@ -105,9 +107,14 @@ def _names(node) -> set[str]:
 
 def called_todos(item) -> list[tuple[str, tuple[int, int]]]:
     """The TODOs a test mentions, through the helpers and fixtures of its own file."""
-    _, defs, candidates, file_names = file_info(item.path)
-    start = defs.get(item.cls.__name__) if item.cls else None
-    start = start or defs.get(getattr(item, "originalname", item.name))
+    return todos_called(item.path, item.cls.__name__ if item.cls else None, getattr(item, "originalname", item.name))
+
+
+@cache
+def todos_called(path: Path, cls: str | None, function: str) -> list[tuple[str, tuple[int, int]]]:
+    """called_todos of the test `function` (of the class `cls`, if any) in the file at `path`."""
+    _, defs, candidates, file_names = file_info(path)
+    start = (defs.get(cls) if cls else None) or defs.get(function)
     if start is None:
         return []
     seen, todo_names, queue, given = set(), set(), [start], set()
@@ -120,11 +127,9 @@ def called_todos(item) -> list[tuple[str, tuple[int, int]]]:
         seen.add(id(node))
         names = _names(node)
         todo_names |= names
-        given |= {
-            m for c in ast.walk(node) if isinstance(c, ast.Constant) for m in _given(item.path.parent.name, c.value)
-        }
+        given |= {m for c in ast.walk(node) if isinstance(c, ast.Constant) for m in _given(path.parent.name, c.value)}
         queue += [defs[n] for n in names if n in defs and id(defs[n]) not in seen]
-    folder = item.path.parent.name
+    folder = path.parent.name
     for module in stage_todos(folder):  # a given function of a learner module calls that module's TODOs
         todo_names |= {t for fn, calls in given_calls(folder, module).items() if fn in todo_names for t in calls}
     called = [
@@ -164,17 +169,26 @@ def pytest_configure(config):
             config.addinivalue_line("markers", f"{mark_name(notebook, k)}: a test of lab{notebook} §{k}")
 
 
+def test_section(path: Path, called: list[tuple[str, tuple[int, int]]]) -> tuple[int, int] | None:
+    """(notebook, k) of a test: the latest section among the TODOs it calls, never before its file's docstring §k."""
+    section = max((sec for _, sec in called), default=None)
+    floor = file_section(path) if docstring_section(path) else None
+    return max(filter(None, (section, floor)), default=None) or file_section(path)
+
+
+def is_stage_test(path: Path) -> bool:
+    return path.parent.name.startswith("stage") and path.name.startswith("test_") and path.suffix == ".py"
+
+
 def pytest_collection_modifyitems(config, items):
     folders, order = {}, {}
     for i, item in enumerate(items):
         folders.setdefault(item.path.parent, len(folders))
         order[id(item)] = (folders[item.path.parent], LAST, True, False, item.path.name, i)
-        if not (item.path.parent.name.startswith("stage") and item.path.name.startswith("test_")):
+        if not is_stage_test(item.path):
             continue
         called = called_todos(item)
-        section = max((sec for _, sec in called), default=None)
-        floor = file_section(item.path) if docstring_section(item.path) else None
-        section = max(filter(None, (section, floor)), default=None) or file_section(item.path)
+        section = test_section(item.path, called)
         if section:
             item.add_marker(getattr(pytest.mark, mark_name(*section)))
         item.add_marker(pytest.mark.todos(*sorted({name for name, _ in called})))
@@ -186,3 +200,57 @@ def pytest_collection_modifyitems(config, items):
         families = item.path.stem.endswith("_families")  # needs the whole section: after its focused tests
         order[id(item)] = (folders[item.path.parent], section or LAST, mixed, families, item.path.name, i)
     items.sort(key=lambda item: order[id(item)])
+
+
+def pytest_ignore_collect(collection_path: Path, config):
+    """`-m s3` (a section's check): a test file none of whose tests is of that section is not imported at all.
+    Importing a file is most of a small check's time (transformers, models built for parametrize); which
+    section each test is of is read from the file's text above, without importing it."""
+    expr = config.getoption("markexpr")
+    if not expr or not is_stage_test(collection_path) or not SECTION_MARK.search(expr):
+        return None
+    try:
+        from _pytest.mark.expression import Expression  # pytest's own -m parser: the same expression semantics
+
+        match = Expression.compile(expr).evaluate
+    except Exception:  # noqa: BLE001 - another pytest: collect everything, as without this hook
+        return None
+    others = sorted(set(re.findall(r"[\w:+\-.\[\]\\/]+", expr)) - {"and", "or", "not"})
+    others = [n for n in others if not SECTION_MARK.fullmatch(n)]  # marks this file cannot settle: any value
+    if len(others) > 6:
+        return None
+    sections = file_sections(collection_path)
+    if sections is None:
+        return None
+    for section, values in itertools.product(sections, itertools.product((False, True), repeat=len(others))):
+        if match(_has(dict(zip(others, values, strict=True)) | {section: True})):
+            return None
+    return True
+
+
+def _has(marks: dict) -> callable:
+    return lambda name, **_: marks.get(name, False)
+
+
+@cache
+def file_sections(path: Path) -> list[str | None] | None:
+    """The section marks (s3, lab2_s1; None for none) the tests of a file can have, or None if its tests
+    cannot all be read from its text (a test that is not a top-level def or Test class)."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in tree.body:
+        targets = [node] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else []
+        targets += getattr(node, "targets", []) + [a.asname or a.name for a in getattr(node, "names", [])]
+        for target in targets:
+            name = target if isinstance(target, str) else getattr(target, "name", getattr(target, "id", ""))
+            if not name.lower().startswith("test"):
+                continue
+            if isinstance(target, ast.FunctionDef | ast.AsyncFunctionDef):
+                called = todos_called(path, None, name)
+            elif isinstance(target, ast.ClassDef):
+                called = todos_called(path, name, name)
+            else:
+                return None  # a test bound by assignment or import: what it calls is not read here
+            section = test_section(path, called)
+            found.append(mark_name(*section) if section else None)
+    return found

@@ -617,3 +617,22 @@ def test_every_rows_tests_run_in_handout_order():
         wrong = next((i for i in range(1, len(keys)) if keys[i] < keys[i - 1]), None)
         assert wrong is None, f"row {number}: {tests[wrong]['id']} {keys[wrong]} runs after {keys[wrong - 1]}"
     assert collected["07"][0]["section"] == [1, 1], f"stage 07's -x opens on {collected['07'][0]['id']}"
+
+
+def test_a_sections_check_imports_no_test_file_of_other_sections(course):
+    """`pytest -m s1` reads which section each test is of from the files' text: a file with no §1 test
+    is never imported (stage 01's files import transformers and build models, seconds a §1 check
+    does not need). A file whose tests are not all plain defs is imported, as before."""
+    tests = course / "tests" / "stage01_forward_numpy"
+    (tests / "test_01_toy.py").write_text(TESTS["test_01_toy.py"].replace("def test_sub_is_exact", "def _sub"))
+    heavy = 'raise RuntimeError("imported")\n\n\ndef test_sub(impl):\n    impl("stage01_forward_numpy.toy").sub\n'
+    (tests / "test_01_heavy.py").write_text(heavy)
+    write_learner(course, SOLUTION)
+    env = os.environ | {"PYTHONPATH": str(course)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]
+    for marks, ok in (("s1", True), ("s1 and not slow", True), ("s2", False), ("not s1", False)):
+        out = subprocess.run([*cmd, "-m", marks], cwd=course, env=env, capture_output=True, text=True)
+        assert (out.returncode == 0) == ok, f"-m {marks!r}: {out.stdout[-1500:]}"
+    (tests / "test_01_heavy.py").write_text(heavy + "\n\ntest_alias = test_sub\n")
+    out = subprocess.run([*cmd, "-m", "s1"], cwd=course, env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "imported" in out.stdout, "a test bound by assignment must not be pruned"
