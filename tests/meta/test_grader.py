@@ -636,3 +636,29 @@ def test_a_sections_check_imports_no_test_file_of_other_sections(course):
     (tests / "test_01_heavy.py").write_text(heavy + "\n\ntest_alias = test_sub\n")
     out = subprocess.run([*cmd, "-m", "s1"], cwd=course, env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "imported" in out.stdout, "a test bound by assignment must not be pruned"
+
+
+@pytest.mark.skipif(not (ROOT / "solutions").is_dir(), reason="plants a bug in the solutions, which the edition lacks")
+def test_stage01_mask_offset_bug_fails_attention_weights_own_tests(tmp_path):
+    """The causal mask that ignores Tk - Tq (right only when Tq = Tk) is attention_weights's bug: the
+    grade must show it on attention_weights's line, not only on attention's, which calls it."""
+    from labkit.grading import mutants
+
+    (bug,) = [m for m in mutants.load("01") if "ignores the offset" in m.bug]
+    course = tmp_path / "course"
+    skip = shutil.ignore_patterns(".venv", ".git", "__pycache__", "bench_results", "*.ipynb", "solutions", "*.png")
+    shutil.copytree(ROOT, course, ignore=skip)
+    text = (ROOT / "solutions" / "stage01_forward_numpy" / bug.file).read_text()
+    (course / "stage01_forward_numpy" / bug.file).write_text(text.replace(bug.find, bug.replace))
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "tests/stage01_forward_numpy/test_01_gpt2.py",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    ]
+    env = os.environ | {"PYTHONPATH": str(course), "LABS_IMPL": "student"}
+    out = subprocess.run([*cmd, "-k", "attention_weights"], cwd=course, env=env, capture_output=True, text=True)
+    assert out.returncode == 1 and " failed" in out.stdout, out.stdout[-2000:]
