@@ -301,8 +301,10 @@ def grade_row(course: Path, number: str, tests: list[dict], env: dict, timeout: 
     files = row_tests(course, number)
     source = source or course
     todos = row_todos(course, source, number)
-    any_started = started(course, source, folder)
-    if tests is None and not any_started:  # self-assessment: no pytest, which would import torch for nothing
+    # A row whose own TODOs are all untouched is not started, whatever the other part of its stage holds: its
+    # tests (those of no section too) can only fail on its TODOs, so none runs.
+    any_started = any(t["started"] for t in todos) if todos else started(course, source, folder)
+    if not any_started:  # no pytest, which would import torch for nothing
         lines = [line | {"todo": _todo_message(number, line)} for line in todo_report(todos, [], {}, folder, course)]
         first = lines[0] if lines else {"todo": "", "where": ""}
         return {
@@ -310,9 +312,9 @@ def grade_row(course: Path, number: str, tests: list[dict], env: dict, timeout: 
             "folder": folder,
             "title": title,
             "passed": 0,
-            "total": None,
+            "total": None if tests is None else len(tests),
             "skipped": 0,
-            "not_started": None,
+            "not_started": None if tests is None else len(tests),
             "score": 0.0,
             "status": "not started",
             "hint": first["todo"] + (f"  [{first['where']}]" if first.get("where") else ""),
@@ -555,6 +557,16 @@ def _progress(number: str) -> None:
     print(f"grading {number} ...", file=sys.stderr, flush=True)
 
 
+def course_commit(root: Path) -> str | None:
+    """The commit the course's tests come from ("+dirty" when the checkout has changes), or None outside git."""
+    git = ["git", "-C", str(root)]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return None
+    dirty = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True).stdout.strip()
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Grade the learner's stage code with the course's tests.")
     ap.add_argument("--stage", help="one row, e.g. 02 or 02b (default: all)")
@@ -583,7 +595,13 @@ def main(argv=None) -> int:
     rows = grade(numbers, submission, args.timeout, sandboxed=not args.no_sandbox)
     print_table(rows, verbose=bool(args.stage), learner=submission is None)
     if args.json:
-        Path(args.json).write_text(json.dumps({"stages": rows}, indent=2) + "\n")
+        meta = {
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "course_commit": course_commit(ROOT),
+            "submission": str(submission) if submission else None,
+            "sandboxed": bool(submission) and not args.no_sandbox,
+        }
+        Path(args.json).write_text(json.dumps(meta | {"stages": rows}, indent=2) + "\n")
         print(f"report written to {args.json}")
     return 0
 

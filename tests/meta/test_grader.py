@@ -662,3 +662,43 @@ def test_stage01_mask_offset_bug_fails_attention_weights_own_tests(tmp_path):
     env = os.environ | {"PYTHONPATH": str(course), "LABS_IMPL": "student"}
     out = subprocess.run([*cmd, "-k", "attention_weights"], cwd=course, env=env, capture_output=True, text=True)
     assert out.returncode == 1 and " failed" in out.stdout, out.stdout[-2000:]
+
+
+@pytest.mark.skipif(not (ROOT / "solutions").is_dir(), reason="runs the reference in a worker")
+def test_kept_leaves_a_result_in_the_worker_and_passes_a_handle(monkeypatch):
+    """labkit.testing.kept: stage 01's real-model tests keep the 540 MB params dict in the worker; what crosses
+    is a handle, which the worker resolves to its own dict when a test passes it back."""
+    from labkit import TARGET
+    from labkit.testing import kept
+
+    monkeypatch.setenv("LABS_IMPL", "solution")
+    mod = worker.load("stage01_forward_numpy.llama_numpy")
+    try:
+        params = kept(mod.load_llama_params, TARGET)
+        assert isinstance(params, worker.Remote), f"the params crossed by value: {type(params)}"
+        logits = mod.llama_forward(params, np.array([1, 5, 9]))
+        assert logits.shape == (3, 2048), logits.shape
+    finally:
+        worker._worker["proc"].kill()
+    assert kept(lambda x: x + 1, 1) == 2, "in-process, kept is the call itself"
+
+
+def test_a_row_whose_own_todos_are_untouched_is_not_started_though_the_other_part_is(course):
+    """Part 1 done, part 2 untouched: row 01b is reported not started without running its tests (an instructor's
+    --submission once ran every such row for a minute and more, its tests failing only on part 2's TODOs)."""
+    part2 = '\n\ndef mul(a: int, b: int) -> int:\n    raise NotImplementedError("stage01: mul — see lab2.ipynb §1")\n'
+    (course / "stage01_forward_numpy" / "toy.py").write_text(SKELETON + part2)
+    todo.write_manifest(course, ["stage01_forward_numpy"])
+    write_learner(course, SOLUTION + part2)
+    first, second = rows(course, ("01", "01b"))
+    assert (first["status"], second["status"], second["total"]) == ("complete", "not started", None), second
+
+
+def test_the_json_report_says_what_was_graded_when_and_how(tmp_path, capsys):
+    report = tmp_path / "report.json"
+    assert grade.main(["--stage", "01", "--json", str(report)]) == 0
+    meta = json.loads(report.read_text())
+    assert set(meta) == {"date", "course_commit", "submission", "sandboxed", "stages"}, meta.keys()
+    assert (meta["submission"], meta["sandboxed"]) == (None, False)
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", meta["course_commit"] or ""), meta["course_commit"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", meta["date"]), meta["date"]
