@@ -60,7 +60,6 @@ FOR_LEARNERS = {
             r"make setup && make lab     # \1\n                           # then Jupyter on the handouts; once your stage 04 passes, make serve chats with it\n",
         ),
         (re.compile(r"make grade, make test, the learner edition"), "make grade"),
-        (re.compile(r"^.*\]\(CONTRIBUTING\.md\).*\n\n?", re.M), ""),
     ],
     "stage04_batching/README.md": [
         (re.compile(r"-m solutions\.stage04_batching\.serve"), "-m stage04_batching.serve"),
