@@ -246,8 +246,8 @@ def _labkit_gate(folder, section, originals={}, raisers={}):
 UNGATED = {
     ("stage07_tensor_parallel", "lab3.ipynb"): "§5's cell ends in StatisticsError (median of no data) when only the "
     "TODOs up to lab3 §5 are written: it reaches a later handout's TODO through given code",
-    ("stage07_tensor_parallel", "lab5.ipynb"): "a cell ends in max_rate_meeting's ValueError (attainment below 0.9 "
-    "at every rate) when only the TODOs of the sections so far are written",
+    ("stage07_tensor_parallel", "lab5.ipynb"): "gated, a cell ended in max_rate_meeting's ValueError (attainment "
+    "below 0.9 at every rate) on a machine at load ~15; not yet told apart from a timing effect",
 }
 
 
