@@ -147,8 +147,8 @@ def todo_report(todos: list[dict], tests: list[dict], cases: dict[str, dict], fo
         failed = [c for c in failed if c not in waiting]
         state = "fails" if failed else "waiting" if waiting else "passes"
         line |= {"state": state, "tests": len(graded), "failed": len(failed), "waiting": len(waiting)}
-        if failed:
-            line |= {"test": failed[0]["test"].rsplit("::", 1)[-1], "message": failed[0]["message"]}
+        if first := (failed or waiting)[:1]:  # the learner's own failure first; else where the wait shows
+            line |= {"test": first[0]["test"].rsplit("::", 1)[-1], "message": first[0]["message"]}
         if waiting:
             blockers = sorted({waiting_label(c) for c in waiting})
             line["waiting_on"] = ", ".join(blockers)

@@ -150,12 +150,12 @@ def test_a_wrong_answer_is_the_hint_before_a_later_untouched_todo(course):
 
 
 def test_infinite_loop_is_a_timeout_not_a_hang(course):
-    write_learner(course, "def add(a, b):\n    while True:\n        pass\n\n\ndef sub(a, b):\n    return a - b\n")
+    write_learner(course, "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    while True:\n        pass\n")
     (row,) = rows(course, timeout=8)
     assert row["status"] == "timeout", row
     assert {f["test"].rsplit("::", 1)[-1]: f["message"] for f in row["failures"]} == {
-        "test_add_is_exact": "not reached before the time limit"
-    }
+        "test_sub_is_exact": "not reached before the time limit"
+    }, "add (§1) runs first and passes; sub (§2) hangs"
 
 
 def test_both_todo_forms_are_found_and_sorted_by_section():
