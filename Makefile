@@ -5,6 +5,8 @@ STAGE ?=
 IMPL ?= solution
 export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
+# 0 in most containers and cloud machines, where Jupyter refuses to start without --allow-root
+USER_ID ?= $(shell id -u)
 
 .PHONY: setup test grade lab bench serve lint format llamacpp guided student-edition mutants
 
@@ -15,7 +17,10 @@ setup: .venv/.installed .venv/.model-installed
 
 .venv/.installed: requirements.txt
 	@test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	@echo "make setup: installing the pinned requirements into .venv, once: a few minutes the first time"
+	@echo "            (PyTorch, transformers and Jupyter are large downloads); each package is listed as it comes"
+	@set -o pipefail; $(PY) -m pip install --disable-pip-version-check -r requirements.txt \
+	  | { grep -E --line-buffered '^(Collecting|Successfully installed)' || true; }
 	@# make the course importable from notebooks and subprocesses started anywhere
 	@echo "$(CURDIR)" > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/llm_course.pth
 	@touch $@
@@ -41,7 +46,7 @@ mutants: setup
 
 ## make lab: Jupyter on the notebooks
 lab: setup
-	LABS_IMPL=$${LABS_IMPL:-student} .venv/bin/jupyter lab --notebook-dir=$(CURDIR)
+	LABS_IMPL=$${LABS_IMPL:-student} .venv/bin/jupyter lab --notebook-dir=$(CURDIR) $(if $(filter 0,$(USER_ID)),--allow-root)
 
 ## make bench STAGE=02 [QUICK=1] [MODEL=dir DRAFT=dir]: one stage's benchmark (reference solution unless
 ## IMPL=student) on the tiny pair or your HF-format Llama folders; QUICK=1 saves to bench_results/*_quick.*

@@ -29,6 +29,14 @@ TINY_LLAMA = dict(
 )
 
 
+def kept(fn, *args, **kwargs):
+    """fn(*args, **kwargs), left where the learner's code runs. In an instructor's grading the learner's code runs
+    in a worker process (labkit.grading.worker) and results cross by value, so a real model's params dict (540 MB)
+    would cross back, and forth again at every call; this returns a handle to it instead. In-process, the value."""
+    keep = getattr(fn, "_keep", None)
+    return keep(*args, **kwargs) if keep is not None else fn(*args, **kwargs)
+
+
 def random_llama(seed: int = 0, **overrides):
     """A random-init transformers LlamaForCausalLM in float32, eval mode.
 

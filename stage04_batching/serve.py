@@ -1,6 +1,8 @@
 """Start the server:  python -m stage04_batching.serve [--model PATH] [--port 8000]
 
-    MODEL=path/to/hf-folder make serve      # --model defaults to $MODEL, else labkit's tiny target
+    make serve                              # SmolLM2-135M-Instruct, the real model make setup converted
+    MODEL=tiny make serve                   # labkit's tiny target (MODEL=path/to/hf-folder: any Llama folder)
+    python -m stage04_batching.serve        # --model defaults to $MODEL, else labkit's tiny target
     curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
          -d '{"prompt": "Once upon a time", "max_tokens": 40, "stream": true}'
     python -m stage04_batching.serve --lora-modules course     # then "model": "tiny-target:zoe"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from labkit.checkpoint import load_tokenizer, require_real_model
-from labkit.testing import hf_greedy, hf_logits, real_hf, real_ids
+from labkit.testing import hf_greedy, hf_logits, kept, real_hf, real_ids
 
 MODULE = "stage01_forward_numpy.llama_numpy"
 # 30 float32 layers of a real model sum in another order than PyTorch's: 1e-4 of a logit range of ~40
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture(scope="module")
 def params(impl):
-    return impl(MODULE).load_llama_params(require_real_model())
+    return kept(impl(MODULE).load_llama_params, require_real_model())  # graded in a worker: its weights stay there
 
 
 def test_llama_forward_matches_hf_on_real_text(impl, params):

@@ -334,6 +334,16 @@ def test_03b_tokenizer_json_refuses_what_it_cannot_build(impl, tmp_path):
             impl(MOD).tokenizer_json({**metadata, **change})
 
 
+def test_03b_import_gguf_refused_leaves_no_folder(impl, tmp_path):
+    """A file refused for its tokenizer leaves nothing at out_dir: weights without a tokenizer.json
+    would load in from_pretrained and fail later, far from the reason."""
+    path = write_gguf(tmp_path / "m.gguf", small_llama(0, True), 0, pre="deepseek-coder")
+    with pytest.raises(ValueError, match="deepseek-coder"):
+        impl(MOD).import_gguf(path, tmp_path / "hf")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["m.gguf"], f"import_gguf refused the file but left {left} behind"
+
+
 def test_03b_tokenizer_config_has_special_tokens_and_chat_template(impl, tmp_path):
     from transformers import AutoTokenizer
 
