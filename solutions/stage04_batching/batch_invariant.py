@@ -75,14 +75,15 @@ def split_kv_attention(
     m = q.new_full((N, n_kv, H // n_kv, 1), -torch.inf)
     l = q.new_zeros((N, n_kv, H // n_kv, 1))
     acc = q.new_zeros((N, n_kv, H // n_kv, D))
+    heads = torch.arange(n_kv)[None, :, None]
     for start in range(0, int(pos.max()) + 1, split):
-        rows = (pos >= start).nonzero().flatten()  # the queries that see at least one key of this split
+        live = pos >= start  # the queries that see at least one key of this split
+        rows = slice(None) if bool(live.all()) else live.nonzero().flatten()
         keys = start + torch.arange(split)  # (split,) absolute positions
         block = (keys // block_size).clamp(max=tables.shape[1] - 1)  # keys past every context are masked below
-        slots = tables[rows][:, block] * block_size + keys % block_size  # (R, split)
-        # (R, n_kv, split, D), made contiguous: a strided view of one query's keys takes another BLAS path
-        k = k_slots[slots].transpose(1, 2).contiguous()
-        v = v_slots[slots].transpose(1, 2).contiguous()
+        slots = (tables[rows][:, block] * block_size + keys % block_size)[:, None]  # (R, 1, split)
+        # Gathered straight into (R, n_kv, split, D), contiguous: a strided view takes another BLAS path for R = 1
+        k, v = k_slots[slots, heads], v_slots[slots, heads]
         s = (qh[rows] @ k.mT).masked_fill(
             (keys > pos[rows, None])[:, None, None], -torch.inf
         )  # (R, n_kv, n_rep, split)

@@ -420,8 +420,8 @@ MUTANTS = [
     ),
     dict(
         file="batch_invariant.py",
-        find="        k = k_slots[slots].transpose(1, 2).contiguous()\n",
-        replace="        k = k_slots[slots].permute(0, 2, 1, 3)\n",
+        find="        k, v = k_slots[slots, heads], v_slots[slots, heads]\n",
+        replace="        k, v = k_slots[slots[:, 0]].transpose(1, 2), v_slots[slots, heads]\n",
         bug="split_kv_attention hands the BLAS a strided view of the keys (one query alone takes another path)",
     ),
 ]
