@@ -4,7 +4,7 @@
 
 A. Determinism under random load, default engine against batch-invariant engine. Each run serves one
    target chat among 7-15 others (random questions, random arrival between steps, a random chunk size
-   for chunked prefill, a pool small enough that some runs preempt); every request's output logprobs
+   for chunked prefill, a pool as small as three of the longest requests); every request's output logprobs
    (the chosen token's and the top 5) are compared bit for bit with a batch-of-one forward of the same
    tokens. Counted: requests whose logprobs differ, the largest difference, the distinct logprob vectors
    and greedy continuations of the target. The same on the tiny target, with many more runs.
