@@ -22,6 +22,7 @@ import torch
 
 from labkit.model import Llama, apply_rope, refuse_extras
 
+from .batch_invariant import forward_invariant
 from .block_manager import BlockManager
 from .byte_dfa import DFA, compile_regex
 from .config import EngineConfig
@@ -111,11 +112,17 @@ def forward_paged(
 
 
 def run_batch(
-    model: Llama, cache: PagedKVCache, seqs: list[Sequence], num_tokens: list[int], all_rows: list[bool] | None = None
+    model: Llama,
+    cache: PagedKVCache,
+    seqs: list[Sequence],
+    num_tokens: list[int],
+    all_rows: list[bool] | None = None,
+    forward: Callable[..., torch.Tensor] = forward_paged,
 ) -> torch.Tensor:
-    """Pack the next num_tokens[b] tokens of every sequence into flat tensors and run forward_paged:
-    logits (B, vocab) at each sequence's last computed token. With all_rows, a flagged sequence gets
-    all its num_tokens[b] rows instead (in order, packed back to back with the others' last rows)."""
+    """Pack the next num_tokens[b] tokens of every sequence into flat tensors and run `forward` (forward_paged,
+    or batch_invariant.forward_invariant): logits (B, vocab) at each sequence's last computed token. With
+    all_rows, a flagged sequence gets all its num_tokens[b] rows instead (in order, packed back to back with
+    the others' last rows)."""
     ids, positions, slots = [], [], []
     for seq, n in zip(seqs, num_tokens, strict=True):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -130,7 +137,7 @@ def run_batch(
         keep = torch.tensor(
             [i for e, n, a in zip(ends, num_tokens, all_rows, strict=True) for i in range(e - n if a else e - 1, e)]
         )
-    return forward_paged(
+    return forward(
         model,
         cache,
         torch.tensor(ids),
@@ -174,6 +181,8 @@ class LLMEngine:
         self.max_model_len = c.context_length(model.config.max_position_embeddings)
         # paged_attention has no sliding window: refuse one that a sequence could outgrow.
         refuse_extras(model.config, "stage04's paged engine", SUPPORTED_EXTRAS, self.max_model_len)
+        # Batch-invariant mode (part 2, lab4.ipynb): the same bits for a token whatever batch it is in, slower.
+        self.forward = forward_invariant if c.batch_invariant else forward_paged
         # Called with each sequence of a batch just before the forward pass; tests and
         # `labkit.bench.loadtest --chaos` set it to make a chosen request fail inside step().
         self.fault_hook: Callable[[Sequence], None] | None = None
@@ -400,7 +409,7 @@ class LLMEngine:
                     self.fault_hook(seq)
             self.before_forward(group, counts)
             wants = [self._wants_prompt_rows(s) for s in group]
-            logits = run_batch(self.model, self.cache, group, counts, wants)
+            logits = run_batch(self.model, self.cache, group, counts, wants, self.forward)
             return list(logits.split([n if w else 1 for n, w in zip(counts, wants, strict=True)]))
 
         try:

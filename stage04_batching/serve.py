@@ -66,6 +66,8 @@ def main(argv=None) -> None:
     )
     EngineConfig.add_cli_args(ap)
     args = ap.parse_args(argv)
+    if args.lora_modules and args.batch_invariant:
+        ap.error("--batch-invariant does not cover LoRA adapters (batch_invariant.py tiles the base model's matmuls)")
     tokenizer = load_tokenizer(args.model)
     try:
         config = EngineConfig.from_cli_args(args)

@@ -90,8 +90,17 @@ def file_info(path: Path):
     key = (part2, int(docstring.group(1)) if docstring else None)
     modules = {m for _, name in named for m in learner_modules(folder, name)}
 
+    # A part 2 file whose docstring names its handout ("§2 of lab3.ipynb") never grades a later handout's TODOs,
+    # though a given module it runs (the engine) imports the learner modules of later handouts too.
+    notebook = re.search(r"\blab(\d)\.ipynb", ast.get_docstring(tree) or "") if part2 else None
+
     def todos_of(modules):
-        return [(n, sec) for m in modules for n, sec in stage_todos(folder)[m] if (sec[0] != 1) == part2]
+        return [
+            (n, sec)
+            for m in modules
+            for n, sec in stage_todos(folder)[m]
+            if (sec[0] != 1) == part2 and (notebook is None or sec[0] <= int(notebook[1]))
+        ]
 
     candidates = todos_of(modules) or todos_of(stage_todos(folder))  # none named: any of the stage's
     defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}

@@ -1,4 +1,4 @@
-"""Stage 04 part 2 learner bugs (structured output, multi-LoRA), one edit each, planted in
+"""Stage 04 part 2 learner bugs (structured output, multi-LoRA, batch invariance), one edit each, planted in
 solutions/stage04_batching (see labkit/grading/mutants.py)."""
 
 MUTANTS = [
@@ -355,5 +355,85 @@ MUTANTS = [
         find="""        return f'"{STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'""",
         replace="""        return f'"{STRING_CHAR}{{{lo},{lo if hi is None else hi}}}"'""",
         bug="schema_to_regex reads a missing maxLength as minLength",
+    ),
+    # batch_invariant.py: linear_tiled
+    dict(
+        file="batch_invariant.py",
+        find="    tiles = [F.linear(padded[i : i + tile], weight, bias) for i in range(0, len(padded), tile)]\n    return torch.cat(tiles)[:N]",
+        replace="    return F.linear(x, weight, bias)",
+        bug="linear_tiled makes one call of N rows (the BLAS picks its kernel by N)",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="padded = F.pad(x, (0, 0, 0, -N % tile))",
+        replace="padded = x",
+        bug="linear_tiled leaves the last tile short instead of padding it to `tile` rows",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="padded = F.pad(x, (0, 0, 0, -N % tile))",
+        replace="padded = F.pad(x, (0, 0, -N % tile, 0))",
+        bug="linear_tiled pads at the front, so the rows it keeps are shifted",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="F.linear(padded[i : i + tile], weight, bias)",
+        replace="F.linear(padded[i : i + tile], weight)",
+        bug="linear_tiled drops the bias",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="    return torch.cat(tiles)[:N]",
+        replace="    return torch.cat(tiles)",
+        bug="linear_tiled returns the padding rows too",
+    ),
+    # batch_invariant.py: split_kv_attention
+    dict(
+        file="batch_invariant.py",
+        find="    for start in range(0, int(pos.max()) + 1, split):\n",
+        replace="    split *= len(query_lens)\n    for start in range(0, int(pos.max()) + 1, split):\n",
+        bug="split_kv_attention's split grows with the batch (the key ranges then depend on who else is in it)",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="    for start in range(0, int(pos.max()) + 1, split):\n",
+        replace="    split = max(split, int(query_lens.max()))\n    for start in range(0, int(pos.max()) + 1, split):\n",
+        bug="split_kv_attention widens the split to the longest chunk (the key ranges depend on the chunk size)",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="(keys > pos[rows, None])[:, None, None], -torch.inf",
+        replace="(keys >= pos[rows, None])[:, None, None], -torch.inf",
+        bug="split_kv_attention masks the query's own key (off by one in the causal mask)",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="        acc[rows] = acc[rows] * alpha + p @ v\n",
+        replace="        acc[rows] = acc[rows] + p @ v\n",
+        bug="split_kv_attention does not rescale the output when a later split raises the running max",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="        l[rows] = l[rows] * alpha + p.sum(-1, keepdim=True)\n",
+        replace="        l[rows] = l[rows] + p.sum(-1, keepdim=True)\n",
+        bug="split_kv_attention does not rescale the softmax denominator when the running max rises",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="qh = q.view(N, n_kv, H // n_kv, D) * D**-0.5",
+        replace="qh = q.view(N, n_kv, H // n_kv, D)",
+        bug="split_kv_attention forgets the 1/sqrt(head_dim) scale",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="qh = q.view(N, n_kv, H // n_kv, D) * D**-0.5",
+        replace="qh = q.view(N, H // n_kv, n_kv, D).transpose(1, 2) * D**-0.5",
+        bug="split_kv_attention maps query head h to kv head h % n_kv instead of h // n_rep",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="        k, v = k_slots[slots, heads], v_slots[slots, heads]\n",
+        replace="        k, v = k_slots[slots[:, 0]].transpose(1, 2), v_slots[slots, heads]\n",
+        bug="split_kv_attention hands the BLAS a strided view of the keys (one query alone takes another path)",
     ),
 ]
