@@ -32,8 +32,9 @@ def install_loader(loader) -> None:
 
 
 def share_given_modules(path: list[str], package: str) -> None:
-    """In solutions/stageNN_x/__init__.py: look for modules in the stage folder after the solution's."""
-    path.append(str(ROOT / package.rsplit(".", 1)[-1]))
+    """In solutions/stageNN_x/__init__.py (or a sub-package's, solutions/stageNN_x/fleet/): look for modules in
+    the same folder of the stage after the solution's."""
+    path.append(str(ROOT.joinpath(*package.split(".")[1:])))
 
 
 def current() -> str:

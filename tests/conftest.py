@@ -28,7 +28,7 @@ import pytest
 from labkit.grading import todo
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULE_NAME = re.compile(r"[\"'](stage\d\d_\w+)\.(\w+)[\"']")
+MODULE_NAME = re.compile(r"[\"'](stage\d\d_\w+)\.([\w.]+)[\"']")  # "stage07_tensor_parallel.fleet.router" too
 UNPLACED = (True, 10**6)  # files that grade no particular section run after the others
 # Whole folders whose tests drive the learner's objects themselves (the grader's --submission).
 IN_PROCESS_FOLDERS = {
@@ -36,6 +36,12 @@ IN_PROCESS_FOLDERS = {
     "schedulers, fault injection and threads",
     "stage07_tensor_parallel": "torch.distributed runs the learner's code in processes of its own",
 }
+
+
+def stage_folder(path: Path) -> str | None:
+    """The stage folder a test file grades: tests/stage07_tensor_parallel/fleet/test_07b_x.py -> stage07_tensor_parallel."""
+    parts = path.relative_to(ROOT / "tests").parts if path.is_relative_to(ROOT / "tests") else ()
+    return parts[0] if len(parts) > 1 and parts[0].startswith("stage") else None
 
 
 def mark_name(notebook: int, k: int) -> str:
@@ -54,9 +60,14 @@ def learner_modules(folder: str, name: str) -> set[str]:
     """The learner modules a stage module is or imports (`from .paged_attention import ...`), one level deep."""
     if name in stage_todos(folder):
         return {name}
-    path = ROOT / folder / f"{name}.py"
+    path = todo.module_path(ROOT / folder, name)
     tree = ast.parse(path.read_text()) if path.is_file() else ast.Module([], [])
-    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module}
+    package = name.split(".")[:-1]  # "fleet" for fleet.launch: its relative imports are fleet.x
+    imported = {
+        ".".join([*package[: len(package) - n.level + 1], n.module])
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.level and n.module
+    }
     return imported & set(stage_todos(folder))
 
 
@@ -74,7 +85,7 @@ def file_info(path: Path):
     tree = ast.parse(text)
     part2 = re.match(r"test_\d\db_", path.name) is not None
     families = path.stem.endswith("_families")  # needs the whole section: after its focused tests
-    folder = path.parent.name
+    folder = stage_folder(path)
     named = {ref for ref in MODULE_NAME.findall(text) if ref[0] == folder}
     docstring = re.match(r"§(\d+)", ast.get_docstring(tree) or "")  # "§3–§4 positions, …"
     if docstring:
@@ -134,10 +145,10 @@ def called_todos(item) -> list[tuple[str, tuple[int, int]]]:
         names = _names(node)
         todo_names |= names
         given |= {
-            m for c in ast.walk(node) if isinstance(c, ast.Constant) for m in _given(item.path.parent.name, c.value)
+            m for c in ast.walk(node) if isinstance(c, ast.Constant) for m in _given(stage_folder(item.path), c.value)
         }
         queue += [defs[n] for n in names if n in defs and id(defs[n]) not in seen]
-    folder = item.path.parent.name
+    folder = stage_folder(item.path)
     for module in stage_todos(folder):  # a given function of a learner module calls that module's TODOs
         todo_names |= {t for fn, calls in given_calls(folder, module).items() if fn in todo_names for t in calls}
     called = [
@@ -152,7 +163,7 @@ def called_todos(item) -> list[tuple[str, tuple[int, int]]]:
 @cache
 def given_calls(folder: str, module: str) -> dict[str, set[str]]:
     """Given functions of a learner module -> the names of the module's TODOs each one mentions."""
-    tree = ast.parse((ROOT / folder / f"{module}.py").read_text())
+    tree = ast.parse(todo.module_path(ROOT / folder, module).read_text())
     todos = {name.split(".")[-1] for name, _ in stage_todos(folder)[module]}
     return {
         n.name: _names(n) & todos
@@ -179,9 +190,9 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     folders = {}
-    for item in items:
-        folders.setdefault(item.path.parent, len(folders))
-        if not (item.path.parent.name.startswith("stage") and item.path.name.startswith("test_")):
+    for item in items:  # a stage's sub-folder (stage 07's fleet/) sorts with its stage: part 2 after part 1
+        folders.setdefault(stage_folder(item.path) or item.path.parent, len(folders))
+        if not (stage_folder(item.path) and item.path.name.startswith("test_")):
             continue
         called = called_todos(item)
         section = max((sec for _, sec in called), default=None)
@@ -190,12 +201,16 @@ def pytest_collection_modifyitems(config, items):
         if section:
             item.add_marker(getattr(pytest.mark, mark_name(*section)))
         item.add_marker(pytest.mark.todos(*sorted({name for name, _ in called})))
-        if reason := IN_PROCESS_FOLDERS.get(item.path.parent.name):
+        if reason := IN_PROCESS_FOLDERS.get(stage_folder(item.path)):
             item.add_marker(pytest.mark.in_process(reason))
 
     def key(indexed):
         i, item = indexed
-        stage_test = item.path.parent.name.startswith("stage") and item.path.name.startswith("test_")
-        return folders[item.path.parent], file_info(item.path)[0] if stage_test else (False, 0, False), i
+        stage_test = bool(stage_folder(item.path)) and item.path.name.startswith("test_")
+        return (
+            folders[stage_folder(item.path) or item.path.parent],
+            file_info(item.path)[0] if stage_test else (False, 0, False),
+            i,
+        )
 
     items[:] = [item for _, item in sorted(enumerate(items), key=key)]

@@ -46,8 +46,8 @@ def policies(pol) -> dict:
 
 
 def main(quick: bool = False) -> bench.Result:
-    sim, pol = load("stage07_tensor_parallel.simulator"), load("stage07_tensor_parallel.policies")
-    loadgen, slo = load("stage07_tensor_parallel.loadgen"), load("stage07_tensor_parallel.slo")
+    sim, pol = load("stage07_tensor_parallel.fleet.simulator"), load("stage07_tensor_parallel.fleet.policies")
+    loadgen, slo = load("stage07_tensor_parallel.fleet.loadgen"), load("stage07_tensor_parallel.fleet.slo")
     torch.set_num_threads(1)  # one replica, one core
     model, which = bench.model()
 
@@ -66,7 +66,7 @@ def main(quick: bool = False) -> bench.Result:
     # The simulator against the real thing: one replica, the same requests, measured on the wall clock.
     check = loadgen.conversation_trace(30 if quick else 60, 1.0, system_prompts=8, system_length=512,
                                        max_turns=4, output_length=(8, 32), seed=1)  # fmt: skip
-    real = replay(load("stage07_tensor_parallel.replica_engine"), model, check)
+    real = replay(load("stage07_tensor_parallel.fleet.replica_engine"), model, check)
     simulated = sim.simulate(check, pol.RoundRobin(), cost, replicas=1, cache_tokens=2048).token_times
     versus = {}
     for label, token_times in (("measured", real), ("simulated", simulated)):
@@ -154,7 +154,7 @@ def main(quick: bool = False) -> bench.Result:
 
 def replay(engine_module, model, trace, page_size: int = 16) -> list[list[float]]:
     """Serve `trace` open loop on one real ReplicaEngine, on the wall clock: each request's token times."""
-    loadgen = load("stage07_tensor_parallel.loadgen")
+    loadgen = load("stage07_tensor_parallel.fleet.loadgen")
     engine = engine_module.ReplicaEngine(model, page_size=page_size)
     times, sent, t0 = [[] for _ in trace], 0, time.perf_counter()
     while sent < len(trace) or engine.has_work():

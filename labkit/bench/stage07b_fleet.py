@@ -80,7 +80,7 @@ def run(fleet, router_mod, policy: str, options: dict, requests) -> dict:
 
 
 def main(quick: bool = False) -> bench.Result:
-    fleet_mod, router_mod = load("stage07_tensor_parallel.fleet"), load("stage07_tensor_parallel.router")
+    fleet_mod, router_mod = load("stage07_tensor_parallel.fleet.launch"), load("stage07_tensor_parallel.fleet.router")
     folder = checkpoint.model_folder()
     vocab = checkpoint.load_tokenizer(folder).get_vocab_size()
     n = 32 if quick else 96

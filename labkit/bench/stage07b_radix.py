@@ -38,7 +38,7 @@ def chat_workload(tokens: list[int], sessions: int, turns: int, system: int, que
 def serve_chats(model, prefix_cache: str, page_size: int, system_prompt, questions, answer: int, **engine):
     """Run every session's turns through one ReplicaEngine, closed loop. Returns (stats, TTFTs in
     seconds, {request id: tokens})."""
-    mod = load("stage07_tensor_parallel.replica_engine")
+    mod = load("stage07_tensor_parallel.fleet.replica_engine")
     eng = mod.ReplicaEngine(model, page_size=page_size, prefix_cache=prefix_cache, **engine)
     history = {s: list(system_prompt) for s in range(len(questions))}
     turn, sent, ttft, out = dict.fromkeys(history, 0), {}, [], {}

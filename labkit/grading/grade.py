@@ -59,7 +59,7 @@ raise ImportError({IMPORTS_SOLUTIONS!r})
 def row_tests(course: Path, number: str) -> list[str]:
     """The test files of a row, relative to the course: test_NNb_* for part 2, the others for NN."""
     folder = STAGES[number][0]
-    files = sorted((course / "tests" / folder).glob("test_*.py"))
+    files = todo.stage_files(course / "tests" / folder, "test_*.py")  # stage 07's fleet/ tests too
     part = [(f, m.group(1) if (m := PART_RE.match(f.name)) else number[:2]) for f in files]
     return [str(f.relative_to(course)) for f, row in part if row == number]
 
@@ -132,9 +132,9 @@ def todo_report(todos: list[dict], tests: list[dict], cases: dict[str, dict], fo
     for t in todos:
         line = {"section": section_name(t["section"]), "name": t["name"], "state": "not started"}
         if not t["started"]:
-            path = course / folder / f"{t['module']}.py"
+            path = todo.module_path(course / folder, t["module"])
             where = [n for n, msg in todo.todos(_read(path)) if f": {t['name']} — " in msg]
-            line["where"] = f"{folder}/{t['module']}.py:{where[0]}" if where else ""
+            line["where"] = f"{path.relative_to(course)}:{where[0]}" if where else ""
             lines.append(line)
             continue
         same = [x for x in tests if x["section"] == t["section"]]
@@ -455,13 +455,14 @@ def copy_learner_files(submission: Path, course: Path, source: Path) -> int:
     copied = 0
     for folder in dict.fromkeys(folder for folder, _ in STAGES.values()):
         for path in todo.learner_files(source / folder):
-            src = submission / folder / path.name
+            rel = path.relative_to(source / folder)  # fleet/router.py in stage 07
+            src = submission / folder / rel
             if src.is_file():
                 text = src.read_text(errors="replace")
                 if imports_solutions(text):
-                    print(f"{folder}/{path.name}: {IMPORTS_SOLUTIONS}", file=sys.stderr)
+                    print(f"{folder}/{rel}: {IMPORTS_SOLUTIONS}", file=sys.stderr)
                     text = SOLUTIONS_STUB
-                (course / folder / path.name).write_text(text)
+                (course / folder / rel).write_text(text)
                 copied += 1
     if copied == 0:
         raise SystemExit(

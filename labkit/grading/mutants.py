@@ -33,6 +33,7 @@ from pathlib import Path
 
 from .. import ROOT, STAGES, triton_interpret
 from .junit import _cases
+from .todo import stage_files
 
 CATALOGUE = ROOT / "tests" / "meta" / "mutants"
 ROWS = tuple(STAGES)  # 01, 02, 02b, ...: a part 2 row has a catalogue of its own
@@ -75,7 +76,8 @@ def todo_functions(stage: str) -> dict[str, list[str]]:
     """{file: [qualified names]} of every skeleton function of this row that holds a TODO (the innermost
     one); a part 2 TODO points at lab2.ipynb or lab3.ipynb, a part 1 TODO at lab.ipynb."""
     todos: dict[str, list[str]] = {}
-    for path in sorted((ROOT / STAGES[stage][0]).glob("*.py")):
+    folder = ROOT / STAGES[stage][0]
+    for path in stage_files(folder):  # and a sub-package's: fleet/router.py
         text = path.read_text()
         funcs = list(_functions(ast.parse(text)))
         for lineno, line in enumerate(text.splitlines(), 1):
@@ -83,7 +85,7 @@ def todo_functions(stage: str) -> dict[str, list[str]]:
                 continue
             around = [(n.end_lineno - n.lineno, q) for q, n in funcs if n.lineno <= lineno <= n.end_lineno]
             if around:
-                todos.setdefault(path.name, []).append(min(around)[1])
+                todos.setdefault(str(path.relative_to(folder)), []).append(min(around)[1])
     return todos
 
 
@@ -137,8 +139,8 @@ def validate(stage: str, mutants: list[Mutant]) -> list[str]:
 def test_files(stage: str, mutant: Mutant) -> list[str]:
     """The stage's graded test files, the ones that load the mutated module first, slow ones last."""
     folder = STAGES[stage][0]
-    module = f"{folder}.{mutant.file.removesuffix('.py')}"
-    files = sorted((ROOT / "tests" / folder).glob("test_*.py"))
+    module = f"{folder}.{mutant.file.removesuffix('.py').replace('/', '.')}"
+    files = stage_files(ROOT / "tests" / folder, "test_*.py")
     files = [f for f in files if bool(re.match(rf"test_{stage[:2]}b_", f.name)) == part_two(stage)]
 
     def rank(f: Path):

@@ -37,7 +37,7 @@ _ASSERTIONS = {
     "numpy.testing": ("assert_allclose", "assert_array_equal", "assert_equal", "assert_array_almost_equal"),
     "torch.testing": ("assert_close",),
 }
-LEARNER_FILE = re.compile(r"(?:^|/)(stage\d\d_\w+/\w+\.py)$")
+LEARNER_FILE = re.compile(r"(?:^|/)(stage\d\d_\w+/(?:\w+/)?\w+\.py)$")  # or a sub-package's: fleet/router.py
 
 
 def _guarded() -> dict[str, object]:
@@ -96,7 +96,7 @@ class Outcomes:
             if call.excinfo.type is worker.WorkerError:  # the worker died: a crash, in the course's words
                 case.update(crashed=True, ours=str(call.excinfo.value)[:_MESSAGE_CHARS])
             where = getattr(call.excinfo.value, "labkit_where", "")  # raised in the worker
-            if isinstance(where, str) and re.fullmatch(r"stage\d\d_\w+/\w+\.py:\d+", where):
+            if isinstance(where, str) and re.fullmatch(r"stage\d\d_\w+/(?:\w+/)?\w+\.py:\d+", where):
                 case.setdefault("where", where[:_MESSAGE_CHARS])
 
     @pytest.hookimpl(tryfirst=True)

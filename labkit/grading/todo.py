@@ -42,9 +42,25 @@ def is_todo_body(body: list[ast.stmt]) -> bool:
     return any(message(stmt) is not None for stmt in rest)
 
 
+def stage_files(stage_folder: Path, pattern: str = "*.py") -> list[Path]:
+    """The files of a stage folder and of its sub-packages (stage 07's fleet/), caches and checkpoints left out."""
+    skip = {"__pycache__", ".ipynb_checkpoints"}
+    return sorted(p for p in stage_folder.rglob(pattern) if not skip & set(p.relative_to(stage_folder).parts))
+
+
+def module_name(stage_folder: Path, path: Path) -> str:
+    """A stage module's name inside its stage: "kv_cache", or "fleet.router" for a sub-package's."""
+    return ".".join(path.relative_to(stage_folder).with_suffix("").parts)
+
+
+def module_path(stage_folder: Path, module: str) -> Path:
+    """The file of a stage module named as module_name names it."""
+    return stage_folder.joinpath(*module.split(".")).with_suffix(".py")
+
+
 def learner_files(stage_folder: Path) -> list[Path]:
     """The modules of a stage folder that hold at least one TODO: the only files a learner edits."""
-    return sorted(p for p in stage_folder.glob("*.py") if todos(p.read_text()))
+    return [p for p in stage_files(stage_folder) if todos(p.read_text())]
 
 
 def section(text: str) -> tuple[int, int] | None:
@@ -64,7 +80,7 @@ def scan(root: Path, folder: str) -> dict[str, list[tuple[str, tuple[int, int]]]
     """module -> [(TODO name, (notebook, §))], in file order, of the TODOs the folder's files hold now."""
     found = {}
     for path in learner_files(root / folder):
-        found[path.stem] = [
+        found[module_name(root / folder, path)] = [
             (m.group(1), (int(m.group(2)[3:] or 1), int(m.group(3))))
             for _, msg in sorted(todos(path.read_text()))
             if (m := NAME.search(msg))
@@ -95,7 +111,7 @@ def write_manifest(root: Path, folders) -> None:
 
 def untouched(root: Path, folder: str, module: str, name: str) -> bool:
     """Whether the learner's file still holds this TODO statement."""
-    path = root / folder / f"{module}.py"
+    path = module_path(root / folder, module)
     try:
         return any((m := NAME.search(msg)) and m.group(1) == name for _, msg in todos(path.read_text()))
     except (OSError, SyntaxError):

@@ -439,9 +439,14 @@ def _describe(e: BaseException) -> tuple:
     frames = [f for f in traceback.extract_tb(e.__traceback__) if "/stage" in f.filename]
     where = ""
     for frame in reversed(frames):
-        parts = frame.filename.rsplit("/", 2)
-        if parts[-2].startswith("stage") and "/solutions/" not in frame.filename:
+        parts = frame.filename.rsplit("/", 3)
+        if "/solutions/" in frame.filename or len(parts) < 3:
+            continue
+        if parts[-2].startswith("stage"):
             where = f"{parts[-2]}/{parts[-1]}:{frame.lineno}"
+            break
+        if len(parts) == 4 and parts[-3].startswith("stage"):  # a sub-package's module: stage07_x/fleet/router.py
+            where = f"{parts[-3]}/{parts[-2]}/{parts[-1]}:{frame.lineno}"
             break
     try:
         text = str(e)[:2000]

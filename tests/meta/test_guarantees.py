@@ -11,6 +11,7 @@ import json
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +20,11 @@ from labkit.grading import todo
 from labkit.grading.junit import run_pytest
 
 BUILT = list(dict.fromkeys(folder for folder, _ in STAGES.values()))  # a part-2 row shares its stage's folder
-NOTEBOOKS = [(folder, nb.name) for folder in BUILT for nb in sorted((ROOT / folder).glob("*.ipynb"))]
+NOTEBOOKS = [  # (folder, "lab.ipynb"), and a sub-package's notebooks by their path: "fleet/lab2.ipynb"
+    (folder, str(nb.relative_to(ROOT / folder)))
+    for folder in BUILT
+    for nb in todo.stage_files(ROOT / folder, "*.ipynb")
+]
 NOTEBOOK_BUDGET_S = 60  # wall seconds a handout may take top to bottom on a quiet 2-core machine (CONTRIBUTING)
 needs_solutions = pytest.mark.skipif(
     not (ROOT / "solutions").is_dir(), reason="the learner edition has no solutions/ to compare against"
@@ -28,7 +33,7 @@ needs_solutions = pytest.mark.skipif(
 
 def modules(folder: str) -> list[str]:
     """The stage's modules with a TODO: the learner's files, each with a solution beside it."""
-    return [p.stem for p in todo.learner_files(ROOT / folder)]
+    return [todo.module_name(ROOT / folder, p) for p in todo.learner_files(ROOT / folder)]
 
 
 @pytest.mark.parametrize("folder", BUILT)
@@ -45,7 +50,8 @@ def test_every_graded_test_fails_on_the_untouched_skeleton(folder):
 def test_each_module_with_a_todo_has_a_solution_and_given_modules_exist_once(folder):
     # A module without a TODO is given code: it lives only in the stage folder, and the solution
     # package finds it there (solutions/stageNN_x/__init__.py extends its __path__).
-    solved = sorted(p.stem for p in (ROOT / "solutions" / folder).glob("*.py") if p.stem != "__init__")
+    base = ROOT / "solutions" / folder
+    solved = sorted(todo.module_name(base, p) for p in todo.stage_files(base) if p.stem != "__init__")
     assert solved == modules(folder), (
         f"{folder}: modules with a TODO {modules(folder)}, solution modules {solved}; a module without a TODO "
         "belongs in the stage folder only"
@@ -88,12 +94,14 @@ def _mirror(skel: ast.AST, sol: ast.AST, where: str) -> list[str]:
 def test_given_code_and_docstrings_are_identical_in_skeleton_and_solution(folder):
     problems = []
     for mod in modules(folder):
-        skel, sol = (ast.parse((base / folder / f"{mod}.py").read_text()) for base in (ROOT, ROOT / "solutions"))
-        problems += _mirror(skel, sol, f"{folder}/{mod}.py: ")
-    init = [ast.parse((base / folder / "__init__.py").read_text()) for base in (ROOT, ROOT / "solutions")]
-    shared = [s for s in init[1].body if "__path__" not in ast.dump(s) and "share_given_modules" not in ast.dump(s)]
-    if [ast.dump(s) for s in init[0].body] != [ast.dump(s) for s in shared]:
-        problems.append(f"{folder}/__init__.py: the solution's differs beyond the line that shares the given modules")
+        skel, sol = (ast.parse(todo.module_path(base / folder, mod).read_text()) for base in (ROOT, ROOT / "solutions"))
+        problems += _mirror(skel, sol, f"{folder}/{mod.replace('.', '/')}.py: ")
+    for package in todo.stage_files(ROOT / "solutions" / folder, "__init__.py"):  # the stage's, and fleet/'s
+        rel = package.relative_to(ROOT / "solutions")
+        init = [ast.parse((base / rel).read_text()) for base in (ROOT, ROOT / "solutions")]
+        shared = [s for s in init[1].body if "__path__" not in ast.dump(s) and "share_given_modules" not in ast.dump(s)]
+        if [ast.dump(s) for s in init[0].body] != [ast.dump(s) for s in shared]:
+            problems.append(f"{rel}: the solution's differs beyond the line that shares the given modules")
     assert not problems, "skeleton and solution drift apart:\n" + "\n".join(problems)
 
 
@@ -132,7 +140,7 @@ def test_skeleton_and_solution_expose_the_same_public_api(folder):
         extra = sorted(set(s) - set(r))
         differ = sorted(k for k in set(s) & set(r) if s[k] != r[k])
         assert not (missing or extra or differ), (
-            f"{folder}/{mod}.py: missing in skeleton {missing}; only in skeleton {extra}; "
+            f"{folder}/{mod.replace('.', '/')}.py: missing in skeleton {missing}; only in skeleton {extra}; "
             f"signatures differ {[(k, s[k], r[k]) for k in differ]}"
         )
 
@@ -141,16 +149,15 @@ def test_skeleton_and_solution_expose_the_same_public_api(folder):
 def test_todo_messages_name_the_stage_and_the_handout_section(folder):
     # Both forms: raise NotImplementedError("…") and, in a Triton kernel, tl.static_assert(False, "…").
     number = folder[5:7]
-    notebooks = {p.name for p in (ROOT / folder).glob("*.ipynb")}
-    for path in sorted((ROOT / folder).glob("*.py")):
+    for path in todo.stage_files(ROOT / folder):  # a TODO points to a notebook beside its module
         for line, msg in todo.todos(path.read_text()):
             m = todo.MESSAGE.fullmatch(msg)
             assert m and m.group(1) == number, (
                 f"{path.name}:{line}: TODO message {msg!r} should read 'stage{number}: name — see lab.ipynb §k' "
                 "(or lab2.ipynb for a stage's second part)"
             )
-            assert f"{m.group(2)}.ipynb" in notebooks, (
-                f"{path.name}:{line}: {msg!r} points to a notebook not in {folder}"
+            assert (path.parent / f"{m.group(2)}.ipynb").is_file(), (
+                f"{path.name}:{line}: {msg!r} points to a notebook not in {path.parent.relative_to(ROOT)}"
             )
 
 
@@ -170,7 +177,7 @@ def test_the_shipped_todo_list_matches_the_skeleton(folder):
 def test_stage_imports_no_other_stage(folder):
     other = re.compile(r"^\s*(from|import)\s+(solutions|stage\d\d_\w+)", re.M)
     for base in (ROOT / folder, ROOT / "solutions" / folder):
-        for path in base.glob("*.py"):  # (no solutions/ in the learner edition: nothing to glob)
+        for path in todo.stage_files(base) if base.is_dir() else []:  # (no solutions/ in the learner edition)
             hits = other.findall(path.read_text())
             assert not hits, (
                 f"{path.relative_to(ROOT)} imports another stage or the solutions ({hits}); use labkit or a relative import"
@@ -183,7 +190,7 @@ def test_stage_modules_do_not_shadow_installed_packages(folder):
     # kernel imports (comm.py, say) would replace that package and kill the kernel.
     import importlib.util
 
-    for name in (p.stem for p in (ROOT / folder).glob("*.py") if p.stem != "__init__"):
+    for name in (p.stem for p in todo.stage_files(ROOT / folder) if not p.stem.startswith("__")):
         spec = importlib.util.find_spec(name)
         assert spec is None, f"{folder}/{name}.py shadows the installed module {name!r} ({spec.origin}); rename it"
 
@@ -193,7 +200,9 @@ def test_test_files_are_named_test_NN_topic(folder):
     # One style, and names unique across stages: test folders are not packages.
     nn = folder[5:7]
     bad = [
-        p.name for p in (ROOT / "tests" / folder).glob("test_*.py") if not re.match(rf"test_{nn}b?_\w+\.py$", p.name)
+        p.name
+        for p in todo.stage_files(ROOT / "tests" / folder, "test_*.py")
+        if not re.match(rf"test_{nn}b?_\w+\.py$", p.name)
     ]
     assert not bad, f"tests/{folder}: rename {bad} to test_{nn}_<topic>.py (part 2: test_{nn}b_<topic>.py)"
 
@@ -214,10 +223,11 @@ def test_notebook_runs_top_to_bottom_against_the_solution(folder, notebook, monk
     monkeypatch.setenv("LABS_IMPL", "solution")
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    nb = nbformat.read(ROOT / folder / notebook, as_version=4)
+    path = ROOT / folder / notebook
+    nb = nbformat.read(path, as_version=4)
     t0 = time.perf_counter()
     NotebookClient(
-        nb, timeout=NOTEBOOK_BUDGET_S, kernel_name="python3", resources={"metadata": {"path": str(ROOT / folder)}}
+        nb, timeout=NOTEBOOK_BUDGET_S, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
     ).execute()
     took = time.perf_counter() - t0
     assert took < NOTEBOOK_BUDGET_S, f"{folder}/{notebook} took {took:.0f} s; the budget is {NOTEBOOK_BUDGET_S} s"
@@ -233,7 +243,7 @@ def test_notebook_cells_call_no_later_sections_todo(folder, notebook):
         for module, found in todo.stage_todos(ROOT, folder).items()
         for name, section in found
     }
-    part = int(notebook.removesuffix(".ipynb")[3:] or 1)
+    part = int(Path(notebook).stem[3:] or 1)
     section, aliases, ahead = (part, 0), {}, []
     for i, cell in enumerate(json.loads((ROOT / folder / notebook).read_text())["cells"]):
         source = "".join(cell["source"])
@@ -241,7 +251,7 @@ def test_notebook_cells_call_no_later_sections_todo(folder, notebook):
             if m := re.search(r"^## §(\d+)", source, re.M):
                 section = (part, int(m.group(1)))
             continue
-        aliases |= dict(re.findall(rf"(\w+)\s*=\s*load\(\s*[\"']{folder}\.(\w+)[\"']", source))
+        aliases |= dict(re.findall(rf"(\w+)\s*=\s*load\(\s*[\"']{folder}\.([\w.]+)[\"']", source))
         for alias, attr in re.findall(r"\b(\w+)\.(\w+)\b", source):
             if (later := todos.get((aliases.get(alias), attr))) and later > section:
                 ahead.append(f"cell {i} (§{section[1]}) calls {aliases[alias]}.{attr} of §{later[1]}")

@@ -8,8 +8,8 @@ import pytest
 
 pytestmark = pytest.mark.in_process("the test reads the index's tables back")
 
-KV_INDEX = "stage07_tensor_parallel.kv_index"
-POLICIES = "stage07_tensor_parallel.policies"
+KV_INDEX = "stage07_tensor_parallel.fleet.kv_index"
+POLICIES = "stage07_tensor_parallel.fleet.policies"
 
 
 class FakeEngine:

@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.in_process("the test changes the worker states the policy reads")
 
-POLICIES = "stage07_tensor_parallel.policies"
+POLICIES = "stage07_tensor_parallel.fleet.policies"
 IDS = itertools.count()
 
 

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-MODULE = "stage07_tensor_parallel.slo"
+MODULE = "stage07_tensor_parallel.fleet.slo"
 
 
 class FakeServer:

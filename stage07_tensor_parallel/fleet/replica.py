@@ -1,40 +1,29 @@
 """One replica of the fleet as its own OS process: a ReplicaEngine behind two zmq sockets (given code).
 
-    python -m stage07_tensor_parallel.replica --model FOLDER --name w0 --host 0.0.0.0 --port 5555 --pub-port 5556
+    python -m stage07_tensor_parallel.fleet.replica --model FOLDER --name w0 --host 0.0.0.0 --port 5555 --pub-port 5556
 
 It prints one JSON line, {"worker", "port", "pub_port"} (port 0 picks a free one), then serves until it
-is killed, or until the process that started it (--parent-pid) is gone. Every message is one JSON object.
-
-ROUTER socket (a router's DEALER connects; replies go back to the socket that asked):
-    {"type": "hello"}                    -> {"type": "hello", "worker", "pub_port", "page_size", "max_len", "vocab_size"}
-    {"type": "generate", "request_id", "prompt": [ids], "max_tokens", "temperature", "seed", "stop_token_ids"}
-                                         -> {"type": "token", "request_id", "token_id", "finished",
-                                             "finish_reason", "num_cached_tokens"} after each step that has one,
-                                            or {"type": "error", "request_id", "message"} if the engine refuses it
-    {"type": "abort", "request_id"}      frees the request's slots now; it ends with finish_reason "abort"
-    {"type": "snapshot"}                 -> {"type": "snapshot", "worker", "seq", "block_hashes"}
-    {"type": "stats"}                    -> {"type": "stats", "worker", "stats": engine.stats + "finish_reasons"
-                                             + the KV transfer counters below}
+is killed, or until the process that started it (--parent-pid) is gone. The messages it reads and sends
+are messages.py's: on its ROUTER socket (a router's DEALER connects; replies go back to the socket that
+asked) Hello -> HelloReply, Generate -> a Token after each step that has one (or an Error if the engine
+refuses it), Abort, AskSnapshot -> Snapshot, AskStats -> Stats (the engine's stats, "finish_reasons" and
+the KV transfer counters below); on its PUB socket a CacheEvent for each change to its cache, numbered 1,
+2, 3, ..., and every HEARTBEAT_S, between two steps, a Heartbeat with the last event's number, so a router
+that lost the latest events (or just started) sees the gap, and one that hears nothing for a while knows
+the replica is dead or stuck (the router moves its requests). A snapshot is taken between two steps, so it
+holds exactly the effect of events 1..seq.
 
 Roles (prefill/decode disaggregation, lab5.ipynb §2). `--role both` (the default) serves whole requests.
 With `--dist-init tcp://HOST:PORT --dist-rank R --dist-world N` the replica joins a torch.distributed group
-(gloo) with the fleet's other prefill and decode replicas, and two more fields of "generate" apply:
-    "kv_to": rank      (a prefill replica) when the request finishes, save_kv its prompt and send_kv it
-                       to that rank; the router runs such a request with max_tokens 1
-    "kv_from": rank    (a decode replica) first recv_kv the prompt's KV from that rank and load_kv it, so
-                       the prompt hits the prefix cache and only its last token is computed; a transfer
-                       that fails (timeout, bad header, checksum) is answered by computing the prompt here
-A decode replica answers each "kv_from" with {"type": "transfer", "request_id", "ok", "error", "broken"}
-before the request's tokens; "broken" means gloo closed the channel (a timed-out receive): the router sends
-no more transfers over that pair. Counters in "stats": kv_bytes_sent, kv_transfers_sent (prefill side),
-kv_bytes_received, kv_transfers_loaded, kv_transfer_failures (decode side). A prefill replica whose
-save_kv fails sends a header no receiver accepts, so its peer recomputes at once instead of waiting.
-
-PUB socket: KV events {"worker", "seq", "kind": "stored" | "removed", "block_hashes"}, seq 1, 2, 3, ...;
-and every HEARTBEAT_S, between two steps, {"worker", "seq", "kind": "heartbeat"} with the last event's number,
-so a router that lost the latest events (or just started) sees the gap, and one that hears nothing for a
-while knows the replica is dead or stuck (router.py migrates its requests). A snapshot is taken between two steps,
-so it holds exactly the effect of events 1..seq.
+(gloo) with the fleet's other prefill and decode replicas, and Generate's kv_to and kv_from apply: a
+prefill replica saves its finished prompt's KV (save_kv) and sends it to rank kv_to; a decode replica first
+receives it from rank kv_from and loads it (load_kv), so the prompt hits the prefix cache and only its last
+token is computed, and answers with a Transfer before the tokens. A transfer that fails (timeout, bad
+header, checksum) is answered by computing the prompt here; Transfer.broken means gloo closed the channel
+(a timed-out receive) and the router sends no more transfers over that pair. Counters in Stats:
+kv_bytes_sent, kv_transfers_sent (prefill side), kv_bytes_received, kv_transfers_loaded,
+kv_transfer_failures (decode side). A prefill replica whose save_kv fails sends a header no receiver
+accepts, so its peer recomputes at once instead of waiting.
 """
 
 import argparse
@@ -53,6 +42,24 @@ from labkit import checkpoint
 from labkit.model import from_pretrained
 
 from .kv_connector import HEADER, TransferError, load_kv, recv_kv, save_kv, send_kv
+from .messages import (
+    Abort,
+    AskSnapshot,
+    AskStats,
+    CacheEvent,
+    Error,
+    Generate,
+    Heartbeat,
+    Hello,
+    HelloReply,
+    MessageError,
+    Snapshot,
+    Stats,
+    Token,
+    Transfer,
+    decode_request,
+    encode,
+)
 from .replica_engine import EngineRequest, KVEvent, ReplicaEngine
 
 HEARTBEAT_S = 0.5
@@ -87,51 +94,55 @@ class Replica:
 
     def publish(self, event: KVEvent) -> None:
         self.seq += 1
-        self.pub.send_json(
-            {"worker": self.name, "seq": self.seq, "kind": event.kind, "block_hashes": event.block_hashes}
-        )
+        self.pub.send_json(encode(CacheEvent(self.name, self.seq, event.kind, event.block_hashes)))
 
-    def reply(self, identity: bytes, body: dict) -> None:
-        self.sock.send_multipart([identity, json.dumps(body).encode()])
+    def reply(self, identity: bytes, message) -> None:
+        self.sock.send_multipart([identity, json.dumps(encode(message)).encode()])
 
-    def handle(self, identity: bytes, msg: dict) -> None:
-        kind = msg.get("type")
-        if kind == "generate":
-            rid = str(msg.get("request_id"))
-            if msg.get("kv_from") is not None:
-                self.receive(identity, rid, msg)
-            try:
-                self.engine.add_request(
-                    EngineRequest(
-                        request_id=rid,
-                        prompt=msg["prompt"],
-                        max_tokens=msg["max_tokens"],
-                        temperature=float(msg.get("temperature") or 0.0),
-                        seed=msg.get("seed"),
-                        stop_token_ids=tuple(msg.get("stop_token_ids") or ()),
-                    )
-                )
-            except (ValueError, KeyError, TypeError) as e:
-                self.reply(identity, {"type": "error", "request_id": rid, "status": 400, "message": str(e)})
-                return
-            self.owner[rid] = identity
-            if msg.get("kv_to") is not None:
-                self.sends[rid] = (int(msg["kv_to"]), list(msg["prompt"]), msg.get("fault"))
-        elif kind == "abort":
-            self.engine.abort(str(msg.get("request_id")))
-        elif kind == "snapshot":
-            hashes = sorted(self.engine.cached_block_hashes())
-            self.reply(identity, {"type": "snapshot", "worker": self.name, "seq": self.seq, "block_hashes": hashes})
-        elif kind == "stats":
+    def handle(self, identity: bytes, body: dict) -> None:
+        try:
+            msg = decode_request(body)
+        except MessageError as e:
+            if body.get("type") == "generate":  # a request this replica cannot run: its client hears why
+                self.reply(identity, Error(str(body.get("request_id")), str(e), status=400))
+            else:
+                self.reply(identity, Error(None, str(e)))
+            return
+        if isinstance(msg, Generate):
+            self.start(identity, msg)
+        elif isinstance(msg, Abort):
+            self.engine.abort(str(msg.request_id))
+        elif isinstance(msg, AskSnapshot):
+            self.reply(identity, Snapshot(self.name, self.seq, sorted(self.engine.cached_block_hashes())))
+        elif isinstance(msg, AskStats):
             stats = {**self.engine.stats, **self.transfers, "finish_reasons": dict(self.finish_reasons)}
-            self.reply(identity, {"type": "stats", "worker": self.name, "stats": stats})
-        elif kind == "hello":
+            self.reply(identity, Stats(self.name, stats))
+        elif isinstance(msg, Hello):
             limit = min(self.engine.store.num_blocks, self.engine.model.config.max_position_embeddings)
-            body = {"type": "hello", "worker": self.name, "pub_port": self.pub_port, "page_size": self.page_size,
-                    "role": self.role, "rank": self.rank}  # fmt: skip
-            self.reply(identity, {**body, "max_len": limit, "vocab_size": self.engine.model.config.vocab_size})
-        else:
-            self.reply(identity, {"type": "error", "request_id": None, "message": f"unknown message type {kind!r}"})
+            self.reply(identity, HelloReply(self.name, self.pub_port, self.page_size, limit,
+                                            self.engine.model.config.vocab_size, self.role, self.rank))  # fmt: skip
+
+    def start(self, identity: bytes, msg: Generate) -> None:
+        rid = str(msg.request_id)
+        if msg.kv_from is not None:
+            self.receive(identity, rid, msg)
+        try:
+            self.engine.add_request(
+                EngineRequest(
+                    request_id=rid,
+                    prompt=msg.prompt,
+                    max_tokens=msg.max_tokens,
+                    temperature=float(msg.temperature or 0.0),
+                    seed=msg.seed,
+                    stop_token_ids=tuple(msg.stop_token_ids or ()),
+                )
+            )
+        except (ValueError, KeyError, TypeError) as e:
+            self.reply(identity, Error(rid, str(e), status=400))
+            return
+        self.owner[rid] = identity
+        if msg.kv_to is not None:
+            self.sends[rid] = (int(msg.kv_to), list(msg.prompt), msg.fault)
 
     def step(self) -> None:
         try:
@@ -139,8 +150,7 @@ class Replica:
         except Exception as e:  # noqa: BLE001 — the process must outlive one bad step; every client hears of it
             for rid, identity in list(self.owner.items()):
                 self.engine.abort(rid)
-                body = {"type": "error", "request_id": rid, "status": 500, "message": f"the engine failed: {e}"}
-                self.reply(identity, body)
+                self.reply(identity, Error(rid, f"the engine failed: {e}", status=500))
             self.owner.clear()
             self.sends.clear()  # their prefills failed: the router has the decode side compute the prompts
             self.engine.step()  # reports the aborts, which nobody awaits any more
@@ -151,15 +161,8 @@ class Replica:
             identity = self.owner.get(out.request_id)
             if identity is None:
                 continue  # aborted: its client has gone
-            body = {
-                "type": "token",
-                "request_id": out.request_id,
-                "token_id": out.token_id,
-                "finished": out.finished,
-                "finish_reason": out.finish_reason,
-                "num_cached_tokens": out.num_cached_tokens,
-            }
-            self.reply(identity, body)
+            self.reply(identity, Token(out.request_id, out.token_id, out.finished, out.finish_reason,
+                                       out.num_cached_tokens))  # fmt: skip
             if out.finished:
                 del self.owner[out.request_id]
             if out.finished and out.request_id in self.sends:
@@ -185,16 +188,17 @@ class Replica:
         except Exception:  # noqa: BLE001 — a dead or timed-out peer: the decode side recomputes
             self.transfers["kv_send_failures"] += 1
 
-    def receive(self, identity: bytes, rid: str, msg: dict) -> None:
-        """Receive and load a prompt's KV from rank msg["kv_from"] before the request is added; on any
+    def receive(self, identity: bytes, rid: str, msg: Generate) -> None:
+        """Receive and load a prompt's KV from rank msg.kv_from before the request is added; on any
         failure the request simply computes its prompt (whatever load_kv cached stays valid: it is keyed
         by tokens)."""
         ok, error, broken = False, None, False
         try:
-            payload = recv_kv(int(msg["kv_from"]), self.engine.model.config, msg.get("timeout", TRANSFER_TIMEOUT_S))
+            timeout = TRANSFER_TIMEOUT_S if msg.timeout is None else msg.timeout
+            payload = recv_kv(int(msg.kv_from), self.engine.model.config, timeout)
             self.transfers["kv_bytes_received"] += payload.nbytes
             load_kv(self.engine, payload)
-            ok = payload.token_ids == list(msg["prompt"])[: len(payload.token_ids)]
+            ok = payload.token_ids == list(msg.prompt)[: len(payload.token_ids)]
             error = None if ok else "the KV that arrived belongs to another prompt"
         except TransferError as e:  # a bad header or checksum leaves the channel open; a failed wait closes it
             error = str(e)
@@ -202,7 +206,7 @@ class Replica:
         except Exception as e:  # noqa: BLE001 — e.g. an unfinished load_kv: recompute rather than fail
             error = f"{type(e).__name__}: {e}"
         self.transfers["kv_transfers_loaded" if ok else "kv_transfer_failures"] += 1
-        self.reply(identity, {"type": "transfer", "request_id": rid, "ok": ok, "error": error, "broken": broken})
+        self.reply(identity, Transfer(rid, ok, error, broken))
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -217,15 +221,15 @@ class Replica:
                     except zmq.Again:
                         break
                     try:
-                        msg = json.loads(payload)
+                        body = json.loads(payload)
                     except ValueError:
-                        self.reply(identity, {"type": "error", "request_id": None, "message": "not JSON"})
+                        self.reply(identity, Error(None, "not JSON"))
                         continue
-                    self.handle(identity, msg)
+                    self.handle(identity, body if isinstance(body, dict) else {"type": None})
             if self.engine.has_work():
                 self.step()
             if time.monotonic() - last_beat >= HEARTBEAT_S:  # busy or idle: the router reads silence as death
-                self.pub.send_json({"worker": self.name, "seq": self.seq, "kind": "heartbeat"})
+                self.pub.send_json(encode(Heartbeat(self.name, self.seq)))
                 last_beat = time.monotonic()
 
 

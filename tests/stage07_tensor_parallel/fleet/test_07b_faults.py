@@ -9,16 +9,16 @@ import random
 
 import httpx
 import pytest
-from stage07_helpers import greedy
+from fleet_helpers import greedy
 
 import labkit
 from labkit import checkpoint
 from labkit.model import from_pretrained
 
-FLEET = "stage07_tensor_parallel.fleet"
-BREAKER = "stage07_tensor_parallel.breaker"
-ADMISSION = "stage07_tensor_parallel.admission"
-POLICIES = "stage07_tensor_parallel.policies"
+FLEET = "stage07_tensor_parallel.fleet.launch"
+BREAKER = "stage07_tensor_parallel.fleet.breaker"
+ADMISSION = "stage07_tensor_parallel.fleet.admission"
+POLICIES = "stage07_tensor_parallel.fleet.policies"
 VOCAB = checkpoint.load_tokenizer(labkit.TARGET).get_vocab_size()  # prompts that decode to text
 DEAD_AFTER = 1.0  # seconds of silence before the router calls a replica dead
 

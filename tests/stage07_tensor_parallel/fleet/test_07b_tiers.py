@@ -14,8 +14,8 @@ from labkit.testing import LLAMA_CONFIGS, random_labkit_llama
 
 pytestmark = pytest.mark.in_process("the engine holds the test's model and calls the learner's store in place")
 
-ENGINE = "stage07_tensor_parallel.replica_engine"
-TIERS = "stage07_tensor_parallel.kv_tiers"
+ENGINE = "stage07_tensor_parallel.fleet.replica_engine"
+TIERS = "stage07_tensor_parallel.fleet.kv_tiers"
 VOCAB = 97
 PAGE = (2, 4, 2, 8)  # layers, page size, KV heads, head_dim
 

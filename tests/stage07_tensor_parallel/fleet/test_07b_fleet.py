@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from stage07_helpers import greedy
+from fleet_helpers import greedy
 
 import labkit
 from labkit import checkpoint
@@ -20,7 +20,7 @@ from labkit.serving import serving
 
 pytestmark = [pytest.mark.dist, pytest.mark.in_process("the test reads the router's state in this process")]
 
-FLEET = "stage07_tensor_parallel.fleet"
+FLEET = "stage07_tensor_parallel.fleet.launch"
 PAGE = 4
 VOCAB = checkpoint.load_tokenizer(labkit.TARGET).get_vocab_size()  # prompts that decode to text
 MODEL_VOCAB = checkpoint.read_config(labkit.TARGET)["vocab_size"]  # larger than the tokenizer's
@@ -62,7 +62,7 @@ def streamed(fleet, path, body) -> str:
 
 def set_policy(fleet, impl, name, **options):
     router = fleet.router
-    router.policy = impl("stage07_tensor_parallel.router").make_policy(name, router.index, router.page_size, **options)
+    router.policy = impl("stage07_tensor_parallel.fleet.router").make_policy(name, router.index, router.page_size, **options)
 
 
 def test_greedy_through_the_router_equals_the_model(fleet, impl, model, tokenizer):
@@ -218,7 +218,7 @@ def test_a_router_restart_loses_no_request_and_resyncs_its_index(fleet, impl, to
     """A second router over the same replicas is stopped while a stream runs: the stream still ends with
     its last token (or an error event), never cut. A third router, new, holds the replicas' caches in its
     index from their snapshots before any event reaches it."""
-    router_mod = impl("stage07_tensor_parallel.router")
+    router_mod = impl("stage07_tensor_parallel.fleet.router")
 
     def router():
         return router_mod.create_app(fleet.addresses, tokenizer, policy="kv_aware", eos_token_id=None)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-MODULE = "stage07_tensor_parallel.planner"
+MODULE = "stage07_tensor_parallel.fleet.planner"
 
 
 def test_split_goodput_is_the_slower_pools_capacity(impl):

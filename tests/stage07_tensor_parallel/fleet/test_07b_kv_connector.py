@@ -15,8 +15,8 @@ from labkit.impl import load
 from labkit.paged import PagedKVStore
 from labkit.testing import LLAMA_CONFIGS, random_labkit_llama
 
-ENGINE = "stage07_tensor_parallel.replica_engine"
-CONNECTOR = "stage07_tensor_parallel.kv_connector"
+ENGINE = "stage07_tensor_parallel.fleet.replica_engine"
+CONNECTOR = "stage07_tensor_parallel.fleet.kv_connector"
 VOCAB = 97  # labkit.testing's tiny vocabulary
 SEED = 7
 

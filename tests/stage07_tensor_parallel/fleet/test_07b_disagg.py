@@ -10,7 +10,7 @@ import random
 
 import httpx
 import pytest
-from stage07_helpers import greedy
+from fleet_helpers import greedy
 
 import labkit
 from labkit import checkpoint
@@ -18,7 +18,7 @@ from labkit.model import from_pretrained
 
 pytestmark = [pytest.mark.dist, pytest.mark.in_process("the test reads the router's state in this process")]
 
-FLEET = "stage07_tensor_parallel.fleet"
+FLEET = "stage07_tensor_parallel.fleet.launch"
 PAGE = 4
 VOCAB = checkpoint.load_tokenizer(labkit.TARGET).get_vocab_size()
 

@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.in_process("the test walks the learner's tree nodes")
 
-RADIX = "stage07_tensor_parallel.radix_cache"
+RADIX = "stage07_tensor_parallel.fleet.radix_cache"
 PAGE_SIZES = [1, 2, 3, 4]
 SEEDS = [0, 1, 2]
 

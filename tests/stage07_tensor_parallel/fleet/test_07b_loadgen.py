@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-MODULE = "stage07_tensor_parallel.loadgen"
+MODULE = "stage07_tensor_parallel.fleet.loadgen"
 N = 40_000  # gaps per sample: the mean's relative standard error is CV / sqrt(N), 0.5 % for Poisson
 
 

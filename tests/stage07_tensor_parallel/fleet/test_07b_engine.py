@@ -14,7 +14,7 @@ from labkit.testing import LLAMA_CONFIGS, random_labkit_llama
 
 pytestmark = pytest.mark.in_process("the engine holds the test's model and reads the learner's cache in place")
 
-ENGINE = "stage07_tensor_parallel.replica_engine"
+ENGINE = "stage07_tensor_parallel.fleet.replica_engine"
 VOCAB = 97  # labkit.testing's tiny vocabulary
 
 
