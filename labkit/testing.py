@@ -371,6 +371,23 @@ def greedy_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     return getattr(out, "logits", out)[0, len(prompt) - 1 :].float()
 
 
+def hf_greedy_variants(hf_model, prompt: list[int], n: int, margin: float, limit: int = 8) -> list[list[int]]:
+    """Every n-token greedy sequence a path within margin / 2 of hf_model's logits may produce: HF's own, and
+    at each near-tie (another token within margin of the maximum) that token, continued greedily; at most
+    `limit` of them. Where only text can be compared and the reference is not decisive (assert_decisive),
+    the text must be one of these."""
+    found, todo = [], [[]]
+    while todo and len(found) < limit:
+        prefix = todo.pop()
+        tail, logits = hf_greedy_logits(hf_model, prompt + prefix, n - len(prefix)) if len(prefix) < n else ([], [])
+        found.append(prefix + tail)
+        for i, row in enumerate(logits):
+            for t in (row >= row.max() - margin).nonzero()[:, 0].tolist():
+                if t != tail[i]:
+                    todo.append(prefix + tail[:i] + [t])
+    return found
+
+
 @torch.no_grad()
 def hf_logits(hf_model, ids: torch.Tensor) -> np.ndarray:
     """The HF model's logits (T, vocab) float32 for one sequence ids (T,) int64."""
