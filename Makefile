@@ -5,8 +5,10 @@ STAGE ?=
 IMPL ?= solution
 export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
+# 0 in most containers and cloud machines, where Jupyter refuses to start without --allow-root
+USER_ID ?= $(shell id -u)
 
-.PHONY: setup test grade lab bench serve lint format llamacpp student-edition mutants
+.PHONY: setup test grade lab bench serve lint format llamacpp guided student-edition mutants
 
 ## make setup: the venv, then the real model (SmolLM2-135M-Instruct) converted once from its GGUF into
 ## ~/.cache/llm-course (LABKIT_REAL_MODEL=folder to put it elsewhere); re-running is a no-op
@@ -15,7 +17,10 @@ setup: .venv/.installed .venv/.model-installed
 
 .venv/.installed: requirements.txt
 	@test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	@echo "make setup: installing the pinned requirements into .venv, once: a few minutes the first time"
+	@echo "            (PyTorch, transformers and Jupyter are large downloads); each package is listed as it comes"
+	@set -o pipefail; $(PY) -m pip install --disable-pip-version-check -r requirements.txt \
+	  | { grep -E --line-buffered '^(Collecting|Successfully installed)' || true; }
 	@# make the course importable from notebooks and subprocesses started anywhere
 	@echo "$(CURDIR)" > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/llm_course.pth
 	@touch $@
@@ -41,11 +46,11 @@ mutants: setup
 
 ## make lab: Jupyter on the notebooks
 lab: setup
-	LABS_IMPL=$${LABS_IMPL:-student} .venv/bin/jupyter lab --notebook-dir=$(CURDIR)
+	LABS_IMPL=$${LABS_IMPL:-student} .venv/bin/jupyter lab --notebook-dir=$(CURDIR) $(if $(filter 0,$(USER_ID)),--allow-root)
 
 ## make bench STAGE=02 [QUICK=1] [MODEL=dir DRAFT=dir]: one stage's benchmark (reference solution unless
 ## IMPL=student) on the tiny pair or your HF-format Llama folders; QUICK=1 saves to bench_results/*_quick.*
-bench: setup $(if $(filter 03b decode,$(STAGE)),llamacpp)
+bench: setup $(if $(filter 03b decode,$(STAGE)),llamacpp) $(if $(filter 04b_guided,$(STAGE)),guided)
 	@test -n "$(STAGE)" || { echo "usage: make bench STAGE=02"; exit 2; }
 	LABS_IMPL=$(IMPL) $(PY) -m labkit.bench $(STAGE) $(if $(QUICK),--quick)
 
@@ -53,6 +58,12 @@ bench: setup $(if $(filter 03b decode,$(STAGE)),llamacpp)
 llamacpp: setup
 	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "building llama.cpp from source (about 4 minutes on 2 idle cores)"; \
 	  CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF" $(PY) -m pip install -q --disable-pip-version-check -r requirements-llamacpp.txt; }
+
+## make guided: the optional llguidance and XGrammar wheels that stage 04b's guided-decoding benchmark runs beside the
+## course's masks (--no-deps: what they need is already in requirements.txt, and pip must not fetch a CUDA torch)
+guided: setup
+	@$(PY) -c "import llguidance, xgrammar" 2>/dev/null || \
+	  $(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements-guided.txt
 
 ## make serve [IMPL=student] [MODEL=tiny|dir]: stage 04's OpenAI-compatible server, 127.0.0.1:8000, on SmolLM2 unless MODEL says otherwise
 serve: setup

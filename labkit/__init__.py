@@ -5,7 +5,12 @@ Two tool rooms sit beside it and are never imported by it: labkit.grading (make 
 make mutants, the learner edition) and labkit.bench (make bench, the load test).
 """
 
+import warnings
 from pathlib import Path
+
+# In Jupyter without ipywidgets, tqdm (Hugging Face's progress bars) draws text bars and warns that it does;
+# text bars are what the course wants, so the warning is only noise in a handout's output.
+warnings.filterwarnings("ignore", message="IProgress not found")
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = Path(__file__).resolve().parent / "assets"

@@ -69,8 +69,7 @@ QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 PRE_TOKENIZERS = {
-    "default": "gpt2",
-    "gpt2": "gpt2",
+    "gpt-2": "gpt2",  # llama.cpp's converter and the course's stage-03 exporter write this name
     "smollm": "digits",
     "starcoder": "digits",
     "refact": "digits",
@@ -198,6 +197,13 @@ def build_tokenizer(meta: dict, path):
             "only. Use transformers' GGUF loader (AutoTokenizer.from_pretrained(folder, gguf_file=...))."
         )
     pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre == "default":  # also what llama.cpp assumes when the key is missing
+        raise GGUFError(
+            f"{path}: pre-tokenizer 'default' (or none named): llama.cpp then splits with its own cascade of "
+            "four regexes (punctuation runs, GPT-2's regex, digit runs, groups of three digits), which is not "
+            "GPT-2's split and which this reader does not reproduce. Re-convert the model with a current "
+            "llama.cpp convert_hf_to_gguf.py, which names the pre-tokenizer."
+        )
     if pre not in PRE_TOKENIZERS:
         raise GGUFError(
             f"{path}: pre-tokenizer {pre!r} is not one this reader knows ({', '.join(sorted(PRE_TOKENIZERS))}); "

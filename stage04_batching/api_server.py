@@ -125,6 +125,9 @@ def create_app(
         """Put a guided pattern's token index in the engine's cache (ValueError past a budget of
         byte_dfa's) and compute its first row, so the engine's step does not pay for it."""
         loop = asyncio.get_running_loop()
+        if engine.guided_backend is not None:  # llguidance or XGrammar: native code, compiled on a thread
+            await loop.run_in_executor(mask_pool, engine.guided_backend.compile, pattern)
+            return
         await loop.run_in_executor(mask_pool, engine.vocab_trie)  # the engine can take constraints at all
         if pattern not in engine.token_indexes:
             dfa = await loop.run_in_executor(compile_pool, compile_regex, pattern)

@@ -13,11 +13,16 @@ any punctuation), `.`, classes `[a-z_]` `[^"\\\\]`, groups `(...)` `(?:...)`, `|
 `{n,}` `{n,m}`. Anything else (anchors, lookaround, backreferences, lazy quantifiers) is refused with
 a ValueError naming it. Thompson's construction builds an NFA; the subset construction turns it into
 a DFA, keeping only states from which the pattern can still be completed (so a live state is
-never a dead end). outlines-dev/outlines does the same with the `interegular` package.
+never a dead end). outlines-dev/outlines does the same with the `interegular` package. The subset
+construction runs over byte classes (bytes no edge of the NFA tells apart), not the 256 bytes one by
+one, and the result also comes as a dense table, the form the vectorized token walk reads.
 """
 
 import time
 from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
 
 ANY = frozenset(range(256))
 CONT = frozenset(range(0x80, 0xC0))  # UTF-8 continuation bytes
@@ -48,6 +53,17 @@ class DFA:
     @property
     def num_states(self) -> int:
         return len(self.transitions)
+
+    @cached_property
+    def table(self) -> np.ndarray:
+        """(num_states + 1, 256) int16: table[s, byte] is the next state, or num_states, a dead state that
+        every byte leads back to, where `transitions` has no entry. num_states < 2**15 (MAX_STATES)."""
+        dead = self.num_states
+        table = np.full((dead + 1, 256), dead, dtype=np.int16)
+        for state, row in enumerate(self.transitions):
+            if row:
+                table[state, np.fromiter(row, np.int64, len(row))] = np.fromiter(row.values(), np.int16, len(row))
+        return table
 
     def walk(self, state: int, data: bytes) -> int | None:
         """The state after reading `data` from `state`, or None if the match dies on the way."""
@@ -307,22 +323,34 @@ def compile_regex(pattern: str | bytes) -> DFA:
     tree = parser.parse()
     nfa = _NFA(deadline=time.thread_time() + COMPILE_BUDGET_S)
     start, end = nfa.build(tree)
-    first = nfa.closure([start])
+    class_of, classes = byte_classes(edge for out in nfa.edges for edge, _ in out)
+    edges = [[(classes[allowed], target) for allowed, target in out] for out in nfa.edges]
+    # One NFA state's closure, kept to the states that read a byte (and `end`, which accepts): the others
+    # only lead on by epsilon, so leaving them out changes no transition and makes the sets several times smaller.
+    closures: dict[int, frozenset] = {}
+
+    def closure(states) -> frozenset:
+        for s in states:
+            if s not in closures:
+                closures[s] = frozenset(x for x in nfa.closure([s]) if edges[x] or x == end)
+        return frozenset().union(*(closures[s] for s in states))
+
+    first = closure([start])
     ids = {first: 0}
-    sets, transitions = [first], []
-    while len(transitions) < len(sets):
-        current = sets[len(transitions)]
+    sets, rows = [first], []  # rows[d]: {class: next DFA state}
+    while len(rows) < len(sets):
+        current = sets[len(rows)]
         nfa.check_budget(f"{len(sets)} DFA states so far")
-        by_byte: dict[int, set[int]] = {}
+        by_class: dict[int, set[int]] = {}
         for s in current:
-            for allowed, target in nfa.edges[s]:
-                for byte in allowed:
-                    by_byte.setdefault(byte, set()).add(target)
+            for members, target in edges[s]:
+                for c in members:
+                    by_class.setdefault(c, set()).add(target)
         row, cache = {}, {}
-        for byte, targets in by_byte.items():
+        for c, targets in by_class.items():
             key = frozenset(targets)
             if key not in cache:
-                closed = nfa.closure(targets)
+                closed = closure(targets)
                 if closed not in ids:
                     ids[closed] = len(sets)
                     sets.append(closed)
@@ -331,27 +359,53 @@ def compile_regex(pattern: str | bytes) -> DFA:
                             f"regex: the automaton passes the limit of {MAX_STATES} states; simplify the pattern"
                         )
                 cache[key] = ids[closed]
-            row[byte] = cache[key]
-        transitions.append(row)
+            row[c] = cache[key]
+        rows.append(row)
     accepting = {i for i, s in enumerate(sets) if end in s}
-    return _prune(DFA(transitions, accepting))
+    keep = _alive(rows, accepting)
+    if 0 not in keep:
+        raise ValueError("regex: the pattern matches nothing")
+    new = {old: i for i, old in enumerate(keep)}  # state 0 (initial) stays first
+    rows = [{c: new[t] for c, t in rows[old].items() if t in new} for old in keep]
+    members = [tuple(np.flatnonzero(class_of == c).tolist()) for c in range(int(class_of.max()) + 1)]
+    transitions = []
+    for row in rows:
+        transitions.append(full := {})
+        for c, t in row.items():
+            full.update(dict.fromkeys(members[c], t))
+    dead = len(rows)
+    by_class = np.full((dead + 1, len(members)), dead, dtype=np.int16)
+    cells = [(state, c, t) for state, row in enumerate(rows) for c, t in row.items()]
+    if cells:
+        by_class[tuple(np.array(cells).T[:2])] = np.array(cells)[:, 2]
+    dfa = DFA(transitions, {new[s] for s in accepting if s in new})
+    dfa.table = np.ascontiguousarray(
+        by_class[:, class_of]
+    )  # C order: a row per state; built here, where compiling runs (the server's worker process)
+    return dfa
 
 
-def _prune(dfa: DFA) -> DFA:
-    """Drop the states from which no accepting state can be reached, so every live state can still finish."""
-    reverse: list[set[int]] = [set() for _ in dfa.transitions]
-    for state, row in enumerate(dfa.transitions):
+def byte_classes(edge_sets) -> tuple[np.ndarray, dict[frozenset, list[int]]]:
+    """Bytes that no edge set of an NFA tells apart form a class: `[ -~]*a` has three (`a`, the other
+    printable bytes, the rest), and the subset construction does its work once per class instead of once
+    per byte. Returns class_of (256,) int64, each byte's class, and each distinct edge set's classes."""
+    distinct = list(dict.fromkeys(edge_sets))
+    signatures = [tuple(b in e for e in distinct) for b in range(256)]
+    number = {sig: i for i, sig in enumerate(dict.fromkeys(signatures))}
+    class_of = np.array([number[sig] for sig in signatures], dtype=np.int64)
+    return class_of, {e: sorted({int(class_of[b]) for b in e}) for e in distinct}
+
+
+def _alive(rows: list[dict], accepting: set[int]) -> list[int]:
+    """The states from which an accepting state can be reached, in order: a live state is never a dead end."""
+    reverse: list[set[int]] = [set() for _ in rows]
+    for state, row in enumerate(rows):
         for target in row.values():
             reverse[target].add(state)
-    alive, todo = set(dfa.accepting), list(dfa.accepting)
+    alive, todo = set(accepting), list(accepting)
     while todo:
         for prev in reverse[todo.pop()]:
             if prev not in alive:
                 alive.add(prev)
                 todo.append(prev)
-    if dfa.initial not in alive:
-        raise ValueError("regex: the pattern matches nothing")
-    keep = sorted(alive)  # state 0 (initial) stays first
-    new = {old: i for i, old in enumerate(keep)}
-    transitions = [{b: new[t] for b, t in dfa.transitions[old].items() if t in new} for old in keep]
-    return DFA(transitions, {new[s] for s in dfa.accepting}, new[dfa.initial])
+    return sorted(alive)

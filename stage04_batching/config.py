@@ -21,6 +21,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens one step computes: prefill chunks and decodes together
     max_model_len: int | None = None  # prompt + output tokens of one request; None: all the pool and the model hold
     enable_prefix_caching: bool = True
+    batch_invariant: bool = False  # a token's logits independent of its batch, bit for bit (batch_invariant.py); slower
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):

@@ -15,6 +15,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from labkit.model import Llama, apply_rope, refuse_extras
 from labkit.serving import check_request
 
+from .batch_invariant import forward_invariant
 from .block_manager import BlockManager
 from .byte_dfa import DFA, compile_regex
 from .config import EngineConfig
@@ -29,7 +31,7 @@ from .paged_attention import PagedKVCache, paged_attention, slot_mapping
 from .sampling import apply_penalties, find_stop, logprobs_of, safe_length, sample
 from .scheduler import Scheduler
 from .sequence import SamplingParams, Sequence, Status
-from .structured import Guide, TokenIndex, mask_logits, token_bytes, token_trie
+from .structured import Guide, TokenIndex, TokenTrie, mask_logits, token_bytes, token_trie
 
 
 @dataclass
@@ -111,11 +113,17 @@ def forward_paged(
 
 
 def run_batch(
-    model: Llama, cache: PagedKVCache, seqs: list[Sequence], num_tokens: list[int], all_rows: list[bool] | None = None
+    model: Llama,
+    cache: PagedKVCache,
+    seqs: list[Sequence],
+    num_tokens: list[int],
+    all_rows: list[bool] | None = None,
+    forward: Callable[..., torch.Tensor] = forward_paged,
 ) -> torch.Tensor:
-    """Pack the next num_tokens[b] tokens of every sequence into flat tensors and run forward_paged:
-    logits (B, vocab) at each sequence's last computed token. With all_rows, a flagged sequence gets
-    all its num_tokens[b] rows instead (in order, packed back to back with the others' last rows)."""
+    """Pack the next num_tokens[b] tokens of every sequence into flat tensors and run `forward` (forward_paged,
+    or batch_invariant.forward_invariant): logits (B, vocab) at each sequence's last computed token. With
+    all_rows, a flagged sequence gets all its num_tokens[b] rows instead (in order, packed back to back with
+    the others' last rows)."""
     ids, positions, slots = [], [], []
     for seq, n in zip(seqs, num_tokens, strict=True):
         start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
@@ -130,7 +138,7 @@ def run_batch(
         keep = torch.tensor(
             [i for e, n, a in zip(ends, num_tokens, all_rows, strict=True) for i in range(e - n if a else e - 1, e)]
         )
-    return forward_paged(
+    return forward(
         model,
         cache,
         torch.tensor(ids),
@@ -141,6 +149,16 @@ def run_batch(
         torch.tensor(num_tokens),
         keep,
     )
+
+
+def _compute_rows(guides: list[Guide]) -> None:
+    """Compute (and memoize) the row each guide will ask for; a row that fails here fails again, for its own
+    request only, when _constrain asks for it."""
+    for guide in guides:
+        try:
+            guide.allowed()
+        except Exception:
+            pass
 
 
 def sibling_ids(request_id: str, n: int) -> list[str]:
@@ -164,13 +182,17 @@ class LLMEngine:
         self.max_model_len = c.context_length(model.config.max_position_embeddings)
         # paged_attention has no sliding window: refuse one that a sequence could outgrow.
         refuse_extras(model.config, "stage04's paged engine", SUPPORTED_EXTRAS, self.max_model_len)
+        # Batch-invariant mode (part 2, lab4.ipynb): the same bits for a token whatever batch it is in, slower.
+        self.forward = forward_invariant if c.batch_invariant else forward_paged
         # Called with each sequence of a batch just before the forward pass; tests and
         # `labkit.bench.loadtest --chaos` set it to make a chosen request fail inside step().
         self.fault_hook: Callable[[Sequence], None] | None = None
         # Structured output (part 2): token indexes by pattern, least recently used first; rows fill lazily.
         self.token_indexes: dict[str | bytes, TokenIndex] = {}
-        self._vocab_trie: dict | None = None
+        self._vocab_trie: TokenTrie | None = None
         self._index_lock = threading.Lock()  # the server compiles on worker threads while the engine steps
+        self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="masks")  # rows computed beside the forward
+        self.guided_backend = None  # a guided_backends.LibraryBackend; None: the course's own token index
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
@@ -198,14 +220,21 @@ class LLMEngine:
         seqs = [Sequence(i, ids, params, index) for index, i in enumerate(family)]
         for seq in seqs:
             if params.guided_regex is not None:
-                seq.guide = Guide(self.token_index(params.guided_regex))
+                seq.guide = self.new_guide(params.guided_regex)
             self.requests[seq.request_id] = seq
         if params.n > 1:
             self.unforked[request_id] = seqs[1:]
         self.scheduler.add(seqs[0])
         return request_id
 
-    def vocab_trie(self) -> dict:
+    def new_guide(self, pattern: str | bytes) -> Guide:
+        """One sequence's guide: the course's Guide over the pattern's token index, or, with a guided_backend
+        set (guided_backends.py: llguidance, XGrammar), that library's guide behind the same interface."""
+        if self.guided_backend is not None:
+            return self.guided_backend.guide(pattern)
+        return Guide(self.token_index(pattern))
+
+    def vocab_trie(self) -> TokenTrie:
         """The trie of the vocabulary's bytes that every token index walks (built once, on first use)."""
         with self._index_lock:
             if self.tokenizer is None:
@@ -267,7 +296,14 @@ class LLMEngine:
         for src, dst in batch.blocks_to_copy:
             self.cache.copy_block(src, dst)
         outputs = []
+        # A guided sequence's mask depends only on the token it sampled last step: compute the rows on another
+        # thread while the forward pass runs (NumPy and PyTorch release the GIL), so a guided step costs the
+        # slower of the two, not their sum (XGrammar overlaps its CPU masks with the GPU's forward the same way).
+        guides = [s.guide for s in batch.seqs if s.guide is not None]
+        masks = self._mask_thread.submit(_compute_rows, guides) if guides else None
         chunks = self._forward(batch.seqs, batch.num_tokens)
+        if masks is not None:
+            masks.result()
         last = [c if isinstance(c, Exception) else c[-1] for c in chunks]
         rows = self._constrain(batch.seqs, batch.num_tokens, last)
         for seq, n, chunk, row in zip(batch.seqs, batch.num_tokens, chunks, rows, strict=True):
@@ -374,7 +410,7 @@ class LLMEngine:
                     self.fault_hook(seq)
             self.before_forward(group, counts)
             wants = [self._wants_prompt_rows(s) for s in group]
-            logits = run_batch(self.model, self.cache, group, counts, wants)
+            logits = run_batch(self.model, self.cache, group, counts, wants, self.forward)
             return list(logits.split([n if w else 1 for n, w in zip(counts, wants, strict=True)]))
 
         try:

@@ -1,6 +1,8 @@
 """Start the server:  python -m stage04_batching.serve [--model PATH] [--port 8000]
 
-    MODEL=path/to/hf-folder make serve      # --model defaults to $MODEL, else labkit's tiny target
+    make serve                              # SmolLM2-135M-Instruct, the real model make setup converted
+    MODEL=tiny make serve                   # labkit's tiny target (MODEL=path/to/hf-folder: any Llama folder)
+    python -m stage04_batching.serve        # --model defaults to $MODEL, else labkit's tiny target
     curl -N http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
          -d '{"prompt": "Once upon a time", "max_tokens": 40, "stream": true}'
     python -m stage04_batching.serve --lora-modules course     # then "model": "tiny-target:zoe"
@@ -20,6 +22,7 @@ from labkit.serving import fail_on_marker
 from .api_server import create_app
 from .config import EngineConfig
 from .engine import LLMEngine
+from .guided_backends import BACKENDS, LibraryBackend
 from .lora import AdapterRegistry
 from .lora_engine import LoRAEngine
 from .protocol import load_chat_template
@@ -54,8 +57,17 @@ def main(argv=None) -> None:
         help="requests whose prompt holds this text fail inside the engine step "
         "(to check fault isolation with labkit.bench.loadtest --chaos)",
     )
+    ap.add_argument(
+        "--guided-decoding-backend",
+        choices=BACKENDS,
+        default="course",
+        help="what computes guided_regex / response_format masks: your token index (course), or the optional "
+        "llguidance or XGrammar (`make guided`), as vLLM's flag of that name",
+    )
     EngineConfig.add_cli_args(ap)
     args = ap.parse_args(argv)
+    if args.lora_modules and args.batch_invariant:
+        ap.error("--batch-invariant does not cover LoRA adapters (batch_invariant.py tiles the base model's matmuls)")
     tokenizer = load_tokenizer(args.model)
     try:
         config = EngineConfig.from_cli_args(args)
@@ -67,6 +79,10 @@ def main(argv=None) -> None:
         engine = LoRAEngine(model, tokenizer, registry, config)
     else:
         engine = LLMEngine(model, tokenizer, config)
+    if args.guided_decoding_backend != "course":
+        engine.guided_backend = LibraryBackend(
+            args.guided_decoding_backend, tokenizer, model.config.vocab_size, model.config.eos_token_id
+        )
     if args.fault_marker:
         engine.fault_hook = fail_on_marker(tokenizer, args.fault_marker)
     app = create_app(

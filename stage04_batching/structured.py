@@ -17,7 +17,9 @@ the rows its outputs visit.
 import json
 import re
 import threading
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .byte_dfa import DFA
@@ -52,30 +54,49 @@ def token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
     raise NotImplementedError("stage04: token_bytes — see lab2.ipynb §1")
 
 
-def token_trie(vocab: list[bytes | None]) -> dict:
-    """The vocabulary as a trie over bytes: node[byte] is a child node, node[-1] the ids of the tokens
-    that end at that node. Built once per vocabulary; tokens with no bytes (None, b"") are left out."""
-    root: dict = {}
-    for t, data in enumerate(vocab):
-        node = root
-        for byte in data or b"":
-            node = node.setdefault(byte, {})
-        if data:
-            node.setdefault(-1, []).append(t)
-    return root
+@dataclass
+class TokenTrie:
+    """The vocabulary as a trie over bytes, flattened into arrays: node 0 is the root (no bytes), every
+    other node one byte longer than its parent, numbered level by level (all nodes of depth 1, then depth
+    2, ...), so a level's parents all come before it. A token's bytes spell the path to its node."""
+
+    parent: np.ndarray  # (N,) int64: the node one byte shorter (the root's is itself)
+    byte: np.ndarray  # (N,) int64: the byte from parent[n] to n
+    levels: list[int]  # the nodes of depth d are levels[d]:levels[d + 1] (levels[0], levels[1] = 0, 1: the root)
+    token_node: np.ndarray  # (V,) int64: the node where token t's bytes end; N (no node) for a token with no bytes
+    single_bytes: frozenset[int]  # the bytes that are a token by themselves
+
+
+def token_trie(vocab: list[bytes | None]) -> TokenTrie:
+    """The flattened trie of `vocab` (from token_bytes), built once per vocabulary. Tokens sharing a prefix
+    share its nodes: SmolLM2's 49,152 tokens hold 332,150 bytes but make 100,298 nodes."""
+    prefixes = sorted({data[:d] for data in vocab if data for d in range(1, len(data) + 1)}, key=lambda p: (len(p), p))
+    node = {b"": 0} | {p: i for i, p in enumerate(prefixes, 1)}
+    parent = np.array([0] + [node[p[:-1]] for p in prefixes], dtype=np.int64)
+    byte = np.array([0] + [p[-1] for p in prefixes], dtype=np.int64)
+    depth = np.array([0] + [len(p) for p in prefixes])
+    levels = np.searchsorted(depth, np.arange(depth[-1] + 2)).tolist()
+    token_node = np.array([node[data] if data else len(node) for data in vocab], dtype=np.int64)
+    single_bytes = frozenset(data[0] for data in vocab if data and len(data) == 1)
+    return TokenTrie(parent, byte, levels, token_node, single_bytes)
 
 
 def state_mask(
-    dfa: DFA, trie: dict, state: int, vocab_size: int, eos_token_id: int
+    dfa: DFA, trie: TokenTrie, state: int, vocab_size: int, eos_token_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One row of the token index: which tokens may follow DFA state `state`, and where each leads.
 
     Returns allowed (vocab_size,) bool and next_state (vocab_size,) int64. allowed[t] is True iff reading
     ALL of token t's bytes from `state` keeps the DFA alive (a token may span several literals of the
     pattern, e.g. `",` ends a string and starts the separator), and next_state[t] is the state it ends in,
-    -1 where not allowed. Walk `trie` (token_trie) from `state`: a dead byte prunes every token below it.
-    A token with no bytes is never allowed, except EOS: allowed exactly in accepting states, where it
-    leaves the state unchanged.
+    -1 where not allowed. A token with no bytes is never allowed, except EOS: allowed exactly in
+    accepting states, where it leaves the state unchanged.
+
+    Walk the trie level by level, a whole level per NumPy operation: the state each node's bytes lead
+    to is the table entry of its parent's state and its byte (dfa.table: (num_states + 1, 256), the
+    extra last row a dead state every byte keeps, `dead = dfa.num_states`). Once a node is dead all its
+    children are; once a whole level is dead you may stop. A token's state is its node's
+    (trie.token_node; index N, past the last node, is where the tokens without bytes point: keep it dead).
     """
     raise NotImplementedError("stage04: state_mask — see lab2.ipynb §2")
 
@@ -89,7 +110,9 @@ class TokenIndex:
     the automaton (llguidance computes every mask on demand the same way). Thread-safe: the server
     compiles on a worker thread while the engine steps on another."""
 
-    def __init__(self, dfa: DFA, trie: dict, vocab_size: int, eos_token_id: int, max_bytes: int = ROW_BUDGET_BYTES):
+    def __init__(
+        self, dfa: DFA, trie: TokenTrie | None, vocab_size: int, eos_token_id: int, max_bytes: int = ROW_BUDGET_BYTES
+    ):
         self.dfa, self.trie, self.vocab_size, self.eos_token_id = dfa, trie, vocab_size, eos_token_id
         self.initial = dfa.initial
         self.max_bytes = max_bytes
@@ -101,7 +124,7 @@ class TokenIndex:
         cls, allowed: torch.Tensor, next_state: torch.Tensor, initial: int, eos_token_id: int
     ) -> "TokenIndex":
         """An index whose every row is given ((S, V) tensors), e.g. one built by brute force in a test."""
-        index = cls(DFA([{} for _ in range(allowed.shape[0])], set(), initial), {}, allowed.shape[1], eos_token_id)
+        index = cls(DFA([{} for _ in range(allowed.shape[0])], set(), initial), None, allowed.shape[1], eos_token_id)
         index.rows = {s: (allowed[s], next_state[s].to(torch.int16)) for s in range(allowed.shape[0])}
         index.max_bytes = index.nbytes
         return index
@@ -134,7 +157,9 @@ class TokenIndex:
         return torch.stack([self.row(s)[1] for s in range(self.dfa.num_states)]).to(torch.int64)
 
 
-def build_token_index(dfa: DFA, vocab: list[bytes | None], eos_token_id: int, trie: dict | None = None) -> TokenIndex:
+def build_token_index(
+    dfa: DFA, vocab: list[bytes | None], eos_token_id: int, trie: TokenTrie | None = None
+) -> TokenIndex:
     """The (lazy) token index of `dfa` over `vocab` (from token_bytes); pass the vocabulary's `trie`
     (token_trie) when you have it, since building it walks every token."""
     return TokenIndex(dfa, token_trie(vocab) if trie is None else trie, len(vocab), eos_token_id)
@@ -159,7 +184,15 @@ class Guide:
 
     @property
     def is_finished(self) -> bool:
-        """Nothing but EOS may follow: the output is complete (a request stops here without sampling EOS)."""
+        """Nothing but EOS may follow: the output is complete (a request stops here without sampling EOS).
+        Read off the automaton where it can be (a state that reads no byte; a byte that is a token by itself),
+        so that the engine learns it without computing the new state's row, which it leaves to the next step's
+        mask thread; only a vocabulary without that one-byte token needs the row."""
+        trie, reads = self.index.trie, self.index.dfa.transitions[self.state]
+        if trie is not None and not reads:
+            return True
+        if trie is not None and not trie.single_bytes.isdisjoint(reads):
+            return False
         allowed = self.allowed()
         return int(allowed.sum()) - int(allowed[self.index.eos_token_id]) == 0
 

@@ -13,12 +13,13 @@ TODOs of the learner modules it imports, a given function of a learner module as
     todos(...)  the TODO names the test calls, which the grader reads to tell which TODO a failure belongs to
     in_process  the test needs the learner's objects themselves (the grader's --submission, INSTRUCTORS.md)
 
-Order: part 2 follows part 1; within a part, files run by their file's section, test_NN_families.py last
-among equals, the others by name. Tests inside a file keep pytest's order, so module- and parameter-scoped
-fixtures stay grouped; folders keep theirs.
+Order (`pytest -x` stops at the first failure in handout order): by notebook, then section, whatever the
+file; within a section, the tests that call only its own TODOs before those that also need another section's,
+test_NN_families.py last among equals, then by file name, and pytest's order inside a file. Folders keep theirs.
 """
 
 import ast
+import itertools
 import re
 from functools import cache
 from pathlib import Path
@@ -28,8 +29,9 @@ import pytest
 from labkit.grading import todo
 
 ROOT = Path(__file__).resolve().parent.parent
+SECTION_MARK = re.compile(r"\b(?:lab\d_)?s\d+\b")
 MODULE_NAME = re.compile(r"[\"'](stage\d\d_\w+)\.([\w.]+)[\"']")  # "stage07_tensor_parallel.fleet.router" too
-UNPLACED = (True, 10**6)  # files that grade no particular section run after the others
+LAST = (10**6, 0)  # tests of no section run after the others
 # Whole folders whose tests drive the learner's objects themselves (the grader's --submission).
 IN_PROCESS_FOLDERS = {
     "stage04_batching": "the engine runs behind an asyncio server and the tests drive it with stub "
@@ -42,6 +44,11 @@ def stage_folder(path: Path) -> str | None:
     """The stage folder a test file grades: tests/stage07_tensor_parallel/fleet/test_07b_x.py -> stage07_tensor_parallel."""
     parts = path.relative_to(ROOT / "tests").parts if path.is_relative_to(ROOT / "tests") else ()
     return parts[0] if len(parts) > 1 and parts[0].startswith("stage") else None
+
+
+def module_file(folder: str, module: str) -> Path:
+    """The file of a stage module: "kv_cache" -> stage02_kv_cache/kv_cache.py, "fleet.router" -> .../fleet/router.py."""
+    return ROOT.joinpath(folder, *module.split(".")).with_suffix(".py")
 
 
 def mark_name(notebook: int, k: int) -> str:
@@ -60,7 +67,7 @@ def learner_modules(folder: str, name: str) -> set[str]:
     """The learner modules a stage module is or imports (`from .paged_attention import ...`), one level deep."""
     if name in stage_todos(folder):
         return {name}
-    path = todo.module_path(ROOT / folder, name)
+    path = module_file(folder, name)
     tree = ast.parse(path.read_text()) if path.is_file() else ast.Module([], [])
     package = name.split(".")[:-1]  # "fleet" for fleet.launch: its relative imports are fleet.x
     imported = {
@@ -72,31 +79,28 @@ def learner_modules(folder: str, name: str) -> set[str]:
 
 
 @cache
-def module_section(folder: str, name: str) -> tuple[bool, int] | None:
-    """(part 2?, k) of the first section a stage module's TODOs point to."""
-    sections = [(nb != 1, k) for _, (nb, k) in stage_todos(folder).get(name, [])]
-    return min(sections, default=None)
-
-
-@cache
 def file_info(path: Path):
-    """(the file's sort key, its AST's top-level definitions, the TODOs it may call, every name it mentions)."""
+    """((part 2?, its docstring's §k or None), its AST's top-level definitions, the TODOs it may call, every name it mentions)."""
     text = path.read_text()
     tree = ast.parse(text)
     part2 = re.match(r"test_\d\db_", path.name) is not None
-    families = path.stem.endswith("_families")  # needs the whole section: after its focused tests
     folder = stage_folder(path)
     named = {ref for ref in MODULE_NAME.findall(text) if ref[0] == folder}
     docstring = re.match(r"§(\d+)", ast.get_docstring(tree) or "")  # "§3–§4 positions, …"
-    if docstring:
-        key = (part2, int(docstring.group(1)), families)
-    else:
-        sections = [s for s in (module_section(*ref) for ref in named) if s]
-        key = (*max(sections, default=UNPLACED), families)
+    key = (part2, int(docstring.group(1)) if docstring else None)
     modules = {m for _, name in named for m in learner_modules(folder, name)}
 
+    # A part 2 file whose docstring names its handout ("§2 of lab3.ipynb") never grades a later handout's TODOs,
+    # though a given module it runs (the engine) imports the learner modules of later handouts too.
+    notebook = re.search(r"\blab(\d)\.ipynb", ast.get_docstring(tree) or "") if part2 else None
+
     def todos_of(modules):
-        return [(n, sec) for m in modules for n, sec in stage_todos(folder)[m] if (sec[0] != 1) == part2]
+        return [
+            (n, sec)
+            for m in modules
+            for n, sec in stage_todos(folder)[m]
+            if (sec[0] != 1) == part2 and (notebook is None or sec[0] <= int(notebook[1]))
+        ]
 
     candidates = todos_of(modules) or todos_of(stage_todos(folder))  # none named: any of the stage's
     defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
@@ -106,9 +110,8 @@ def file_info(path: Path):
     return key, defs, candidates, _names(tree)
 
 
-@cache
 def docstring_section(path: Path) -> bool:
-    return re.match(r"§\d", ast.get_docstring(ast.parse(path.read_text())) or "") is not None
+    return file_info(path)[0][1] is not None
 
 
 @cache
@@ -129,9 +132,14 @@ def _names(node) -> set[str]:
 
 def called_todos(item) -> list[tuple[str, tuple[int, int]]]:
     """The TODOs a test mentions, through the helpers and fixtures of its own file."""
-    _, defs, candidates, file_names = file_info(item.path)
-    start = defs.get(item.cls.__name__) if item.cls else None
-    start = start or defs.get(getattr(item, "originalname", item.name))
+    return todos_called(item.path, item.cls.__name__ if item.cls else None, getattr(item, "originalname", item.name))
+
+
+@cache
+def todos_called(path: Path, cls: str | None, function: str) -> list[tuple[str, tuple[int, int]]]:
+    """called_todos of the test `function` (of the class `cls`, if any) in the file at `path`."""
+    _, defs, candidates, file_names = file_info(path)
+    start = (defs.get(cls) if cls else None) or defs.get(function)
     if start is None:
         return []
     seen, todo_names, queue, given = set(), set(), [start], set()
@@ -144,11 +152,9 @@ def called_todos(item) -> list[tuple[str, tuple[int, int]]]:
         seen.add(id(node))
         names = _names(node)
         todo_names |= names
-        given |= {
-            m for c in ast.walk(node) if isinstance(c, ast.Constant) for m in _given(stage_folder(item.path), c.value)
-        }
+        given |= {m for c in ast.walk(node) if isinstance(c, ast.Constant) for m in _given(stage_folder(path), c.value)}
         queue += [defs[n] for n in names if n in defs and id(defs[n]) not in seen]
-    folder = stage_folder(item.path)
+    folder = stage_folder(path)
     for module in stage_todos(folder):  # a given function of a learner module calls that module's TODOs
         todo_names |= {t for fn, calls in given_calls(folder, module).items() if fn in todo_names for t in calls}
     called = [
@@ -163,7 +169,7 @@ def called_todos(item) -> list[tuple[str, tuple[int, int]]]:
 @cache
 def given_calls(folder: str, module: str) -> dict[str, set[str]]:
     """Given functions of a learner module -> the names of the module's TODOs each one mentions."""
-    tree = ast.parse(todo.module_path(ROOT / folder, module).read_text())
+    tree = ast.parse(module_file(folder, module).read_text())
     todos = {name.split(".")[-1] for name, _ in stage_todos(folder)[module]}
     return {
         n.name: _names(n) & todos
@@ -188,29 +194,88 @@ def pytest_configure(config):
             config.addinivalue_line("markers", f"{mark_name(notebook, k)}: a test of lab{notebook} §{k}")
 
 
+def test_section(path: Path, called: list[tuple[str, tuple[int, int]]]) -> tuple[int, int] | None:
+    """(notebook, k) of a test: the latest section among the TODOs it calls, never before its file's docstring §k."""
+    section = max((sec for _, sec in called), default=None)
+    floor = file_section(path) if docstring_section(path) else None
+    return max(filter(None, (section, floor)), default=None) or file_section(path)
+
+
+def is_stage_test(path: Path) -> bool:
+    return stage_folder(path) is not None and path.name.startswith("test_") and path.suffix == ".py"
+
+
 def pytest_collection_modifyitems(config, items):
-    folders = {}
-    for item in items:  # a stage's sub-folder (stage 07's fleet/) sorts with its stage: part 2 after part 1
-        folders.setdefault(stage_folder(item.path) or item.path.parent, len(folders))
-        if not (stage_folder(item.path) and item.path.name.startswith("test_")):
+    folders, order = {}, {}
+    for i, item in enumerate(items):  # a stage's sub-folder (stage 07's fleet/) sorts with its stage
+        folder = folders.setdefault(stage_folder(item.path) or item.path.parent, len(folders))
+        order[id(item)] = (folder, LAST, True, False, item.path.name, i)
+        if not is_stage_test(item.path):
             continue
         called = called_todos(item)
-        section = max((sec for _, sec in called), default=None)
-        floor = file_section(item.path) if docstring_section(item.path) else None
-        section = max(filter(None, (section, floor)), default=None) or file_section(item.path)
+        section = test_section(item.path, called)
         if section:
             item.add_marker(getattr(pytest.mark, mark_name(*section)))
         item.add_marker(pytest.mark.todos(*sorted({name for name, _ in called})))
         if reason := IN_PROCESS_FOLDERS.get(stage_folder(item.path)):
             item.add_marker(pytest.mark.in_process(reason))
+        # Handout order: notebook, then section; a section's own unit tests before its tests that also need
+        # another section's TODOs (stage 04's engine tests of §5 need §4's scheduler too).
+        mixed = any(sec != section for _, sec in called)
+        families = item.path.stem.endswith("_families")  # needs the whole section: after its focused tests
+        order[id(item)] = (folder, section or LAST, mixed, families, item.path.name, i)
+    items.sort(key=lambda item: order[id(item)])
 
-    def key(indexed):
-        i, item = indexed
-        stage_test = bool(stage_folder(item.path)) and item.path.name.startswith("test_")
-        return (
-            folders[stage_folder(item.path) or item.path.parent],
-            file_info(item.path)[0] if stage_test else (False, 0, False),
-            i,
-        )
 
-    items[:] = [item for _, item in sorted(enumerate(items), key=key)]
+def pytest_ignore_collect(collection_path: Path, config):
+    """`-m s3` (a section's check): a test file none of whose tests is of that section is not imported at all.
+    Importing a file is most of a small check's time (transformers, models built for parametrize); which
+    section each test is of is read from the file's text above, without importing it."""
+    expr = config.getoption("markexpr")
+    if not expr or not is_stage_test(collection_path) or not SECTION_MARK.search(expr):
+        return None
+    try:
+        from _pytest.mark.expression import Expression  # pytest's own -m parser: the same expression semantics
+
+        match = Expression.compile(expr).evaluate
+    except Exception:  # noqa: BLE001 - another pytest: collect everything, as without this hook
+        return None
+    others = sorted(set(re.findall(r"[\w:+\-.\[\]\\/]+", expr)) - {"and", "or", "not"})
+    others = [n for n in others if not SECTION_MARK.fullmatch(n)]  # marks this file cannot settle: any value
+    if len(others) > 6:
+        return None
+    sections = file_sections(collection_path)
+    if sections is None:
+        return None
+    for section, values in itertools.product(sections, itertools.product((False, True), repeat=len(others))):
+        if match(_has(dict(zip(others, values, strict=True)) | {section: True})):
+            return None
+    return True
+
+
+def _has(marks: dict) -> callable:
+    return lambda name, **_: marks.get(name, False)
+
+
+@cache
+def file_sections(path: Path) -> list[str | None] | None:
+    """The section marks (s3, lab2_s1; None for none) the tests of a file can have, or None if its tests
+    cannot all be read from its text (a test that is not a top-level def or Test class)."""
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in tree.body:
+        targets = [node] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else []
+        targets += getattr(node, "targets", []) + [a.asname or a.name for a in getattr(node, "names", [])]
+        for target in targets:
+            name = target if isinstance(target, str) else getattr(target, "name", getattr(target, "id", ""))
+            if not name.lower().startswith("test"):
+                continue
+            if isinstance(target, ast.FunctionDef | ast.AsyncFunctionDef):
+                called = todos_called(path, None, name)
+            elif isinstance(target, ast.ClassDef):
+                called = todos_called(path, name, name)
+            else:
+                return None  # a test bound by assignment or import: what it calls is not read here
+            section = test_section(path, called)
+            found.append(mark_name(*section) if section else None)
+    return found

@@ -12,7 +12,8 @@ started: the tests of a section whose TODOs are all untouched are reported "not 
 running, and a stage with nothing started is reported without even collecting its tests (total
 "–"). The others run; outcomes come back one test at a time through a pipe (labkit.grading.outcomes),
 and a test that never reports (a crash, an early exit, a time limit) counts as failed. `make grade STAGE=NN` prints one line per TODO, in handout order, with the first
-failing test's own message under a TODO that fails; the first TODO not done is the hint.
+failing test's own message under a TODO that fails; a failure raised by another TODO's NotImplementedError
+counts as "waiting on" that TODO, apart from the TODO's own failures; the first TODO not done is the hint.
 
 With --submission, the learner's code runs in a worker process the tests call (labkit.grading.worker),
 so it cannot reach pytest or the pipe. Tests marked `in_process` cannot work that way; they run
@@ -127,7 +128,8 @@ def section_name(section) -> str:
 
 def todo_report(todos: list[dict], tests: list[dict], cases: dict[str, dict], folder: str, course: Path) -> list[dict]:
     """One line per TODO: not started, or the tests of its section that call it (all of its section's
-    if none names it) and the first of them that fails."""
+    if none names it) and the first of them that fails. A failure raised by another TODO's
+    NotImplementedError is that TODO's to fix, not this one's: it counts apart as "waiting"."""
     lines = []
     for t in todos:
         line = {"section": section_name(t["section"]), "name": t["name"], "state": "not started"}
@@ -141,11 +143,29 @@ def todo_report(todos: list[dict], tests: list[dict], cases: dict[str, dict], fo
         mine = [x for x in same if t["name"] in x["todos"]] or same
         graded = [cases[x["id"]] for x in mine if cases[x["id"]]["outcome"] != "skipped"]
         failed = [c for c in graded if c["outcome"] == "failed"]
-        line |= {"state": "fails" if failed else "passes", "tests": len(graded), "failed": len(failed)}
-        if failed:
-            line |= {"test": failed[0]["test"].rsplit("::", 1)[-1], "message": failed[0]["message"]}
+        waiting = [c for c in failed if (other := waiting_on(c)) and other != line["name"]]
+        failed = [c for c in failed if c not in waiting]
+        state = "fails" if failed else "waiting" if waiting else "passes"
+        line |= {"state": state, "tests": len(graded), "failed": len(failed), "waiting": len(waiting)}
+        if first := (failed or waiting)[:1]:  # the learner's own failure first; else where the wait shows
+            line |= {"test": first[0]["test"].rsplit("::", 1)[-1], "message": first[0]["message"]}
+        if waiting:
+            blockers = sorted({waiting_label(c) for c in waiting})
+            line["waiting_on"] = ", ".join(blockers)
         lines.append(line)
     return lines
+
+
+def waiting_on(case: dict) -> str | None:
+    """The TODO whose NotImplementedError failed this case ("Scheduler.schedule"), or None."""
+    m = todo.NAME.search(case.get("todo") or "")
+    return m.group(1) if m and case["outcome"] == "failed" else None
+
+
+def waiting_label(case: dict) -> str:
+    """§4 Scheduler.schedule, lab2 §1 Radix.insert: the TODO a failure waits on, as the report names it."""
+    m = todo.NAME.search(case["todo"])
+    return f"{section_name((int(m.group(2)[3:] or 1), int(m.group(3))))} {m.group(1)}"
 
 
 def _read(path: Path) -> str:
@@ -281,8 +301,10 @@ def grade_row(course: Path, number: str, tests: list[dict], env: dict, timeout: 
     files = row_tests(course, number)
     source = source or course
     todos = row_todos(course, source, number)
-    any_started = started(course, source, folder)
-    if tests is None and not any_started:  # self-assessment: no pytest, which would import torch for nothing
+    # A row whose own TODOs are all untouched is not started, whatever the other part of its stage holds: its
+    # tests (those of no section too) can only fail on its TODOs, so none runs.
+    any_started = any(t["started"] for t in todos) if todos else started(course, source, folder)
+    if not any_started:  # no pytest, which would import torch for nothing
         lines = [line | {"todo": _todo_message(number, line)} for line in todo_report(todos, [], {}, folder, course)]
         first = lines[0] if lines else {"todo": "", "where": ""}
         return {
@@ -290,9 +312,9 @@ def grade_row(course: Path, number: str, tests: list[dict], env: dict, timeout: 
             "folder": folder,
             "title": title,
             "passed": 0,
-            "total": None,
+            "total": None if tests is None else len(tests),
             "skipped": 0,
-            "not_started": None,
+            "not_started": None if tests is None else len(tests),
             "score": 0.0,
             "status": "not started",
             "hint": first["todo"] + (f"  [{first['where']}]" if first.get("where") else ""),
@@ -434,7 +456,11 @@ def _todo_line(line: dict) -> str:
         return f"{head} · not started" + (f"  [{line['where']}]" if line.get("where") else "")
     if line["state"] == "passes":
         return f"{head} ✓ {line['tests']} test{'s' * (line['tests'] != 1)} pass"
-    return f"{head} ✗ {line['failed']} of {line['tests']} fail; first: {line['test']}"
+    waiting = f"{line['waiting']} waiting on {line['waiting_on']}" if line.get("waiting") else ""
+    if line["state"] == "waiting":
+        return f"{head} … {waiting} (of {line['tests']}; none fails on its own)"
+    more = f"; {waiting}" if waiting else ""
+    return f"{head} ✗ {line['failed']} of {line['tests']} fail; first: {line['test']}{more}"
 
 
 def prepare_submission(submission: Path, workdir: Path, source: Path) -> Path:
@@ -532,6 +558,16 @@ def _progress(number: str) -> None:
     print(f"grading {number} ...", file=sys.stderr, flush=True)
 
 
+def course_commit(root: Path) -> str | None:
+    """The commit the course's tests come from ("+dirty" when the checkout has changes), or None outside git."""
+    git = ["git", "-C", str(root)]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        return None
+    dirty = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True).stdout.strip()
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Grade the learner's stage code with the course's tests.")
     ap.add_argument("--stage", help="one row, e.g. 02 or 02b (default: all)")
@@ -560,7 +596,13 @@ def main(argv=None) -> int:
     rows = grade(numbers, submission, args.timeout, sandboxed=not args.no_sandbox)
     print_table(rows, verbose=bool(args.stage), learner=submission is None)
     if args.json:
-        Path(args.json).write_text(json.dumps({"stages": rows}, indent=2) + "\n")
+        meta = {
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "course_commit": course_commit(ROOT),
+            "submission": str(submission) if submission else None,
+            "sandboxed": bool(submission) and not args.no_sandbox,
+        }
+        Path(args.json).write_text(json.dumps(meta | {"stages": rows}, indent=2) + "\n")
         print(f"report written to {args.json}")
     return 0
 

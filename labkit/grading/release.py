@@ -5,7 +5,7 @@
 
 The edition is made from the files git tracks in this checkout (run it on a clean `main`), so the
 same commit always gives the same edition. It leaves out the reference solutions, the mutation
-catalogue and its target, INSTRUCTORS.md and the README's pointer to it; it checks that no notebook,
+catalogue and its target, INSTRUCTORS.md and the README's pointer to it, CONTRIBUTING.md; it checks that no notebook,
 benchmark or module it keeps imports the solutions. Regenerating on a branch adds a commit on top
 of the previous edition, so learners who cloned it pull later fixes as a fast-forward.
 """
@@ -30,6 +30,7 @@ LEFT_OUT = (
     "labkit/grading/mutants.py",
     "tests/meta/test_mutants.py",
     "INSTRUCTORS.md",
+    "CONTRIBUTING.md",  # how to change the course: its guarantees, make test, make mutants, the solutions
 )
 INSTRUCTORS = re.compile(r"<!-- instructors-only -->.*?<!-- /instructors-only -->\n?", re.S)
 POINTER = (
@@ -60,7 +61,10 @@ FOR_LEARNERS = {
         ),
         (re.compile(r"make grade, make test, the learner edition"), "make grade"),
     ],
-    "stage04_batching/README.md": [(re.compile(r"-m solutions\.stage04_batching\.serve"), "-m stage04_batching.serve")],
+    "stage04_batching/README.md": [
+        (re.compile(r"-m solutions\.stage04_batching\.serve"), "-m stage04_batching.serve"),
+        (re.compile(r" \(default: the reference one\)"), ""),  # the edition's make serve runs your code
+    ],
 }
 SOLUTION_IMPORT = re.compile(r"^\s*(from|import)\s+solutions\b|import_module\(\s*['\"]solutions\b", re.M)
 

@@ -14,7 +14,8 @@ What crosses, in either direction, is encoded as data: None, bool, int, float, c
 bytes, paths, lists, tuples, dicts and sets of data, NumPy arrays, scalars and random generators,
 torch tensors (strides kept), generators, dtypes and devices. Anything else stays where it lives
 and crosses as a handle (a `Remote`), except that an object the tests pass which pickles (a
-Hugging Face model, a config) is sent by value. The test process unpickles messages with no
+Hugging Face model, a config) is sent by value, and a result the tests ask to keep there
+(labkit.testing.kept: the real model's 540 MB of weights) stays in the worker as a handle. The test process unpickles messages with no
 globals allowed, so the worker can send nothing that runs code when read; and it lets the worker
 only call what the tests handed it (TRUSTED_OPS), never read its attributes. An array, tensor or
 generator argument the callee changed in place is copied back into the caller's (a Triton kernel
@@ -45,6 +46,7 @@ OPS = {
     "getattr": getattr,
     "setattr": setattr,
     "call": lambda obj, *args, **kwargs: obj(*args, **kwargs),
+    "call_keep": lambda obj, *args, **kwargs: obj(*args, **kwargs),  # the result stays here: a handle crosses
     "getitem": operator.getitem,
     "setitem": operator.setitem,
     "delitem": operator.delitem,
@@ -143,7 +145,10 @@ class Peer:
             changed = [
                 (i, self.encode(x)) for i, (x, b) in enumerate(zip(received, before, strict=True)) if _snapshot(x) != b
             ]
-            reply = ("ok", self.encode(value), changed)
+            kept = op == "call_keep" and not self.trusted
+            if kept:
+                self.objects.setdefault(id(value), [value, 0])[1] += 1
+            reply = ("ok", ("mine", id(value)) if kept else self.encode(value), changed)
         except BaseException as e:  # noqa: BLE001 - every failure of the callee goes back as data
             reply = ("err", _describe(e), [])
         self.send(reply)
@@ -222,6 +227,10 @@ class Remote:
 
     def __getattr__(self, name):
         return self._ask("getattr", name)
+
+    def _keep(self, *args, **kwargs):
+        """Call it, and leave the result in the other process: a handle comes back (labkit.testing.kept)."""
+        return self._ask("call_keep", *args, **kwargs)
 
     def __setattr__(self, name, value):
         self._ask("setattr", name, value)

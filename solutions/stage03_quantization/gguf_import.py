@@ -9,6 +9,7 @@ in `labkit.model.from_pretrained` and in transformers.
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -64,13 +65,20 @@ def import_gguf(path: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
 
 def write_folder(metadata: dict, tensors: dict, out_dir: str | os.PathLike, path: str | os.PathLike = "") -> Path:
     """Write read_gguf's (metadata, tensors) as an HF folder: config.json, model.safetensors in float32,
-    tokenizer.json, and tokenizer_config.json with the chat template. Returns out_dir."""
+    tokenizer.json, and tokenizer_config.json with the chat template. Returns out_dir.
+
+    Whole or not at all: everything is built first and labkit's `save` writes a temporary folder that
+    it renames into place, so a file this importer refuses (an unknown pre-tokenizer) leaves no
+    folder that would load without its tokenizer."""
     config = config_from_gguf(metadata, sorted(tensors))
-    out_dir = Path(out_dir)
-    save(out_dir, config, state_dict_from_gguf(tensors, config, path))
-    (out_dir / "tokenizer.json").write_text(json.dumps(tokenizer_json(metadata), ensure_ascii=False))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(metadata), indent=2) + "\n")
-    return out_dir
+    tokenizer = tokenizer_json(metadata)
+    state = state_dict_from_gguf(tensors, config, path)
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [Path(tmp) / "tokenizer.json", Path(tmp) / "tokenizer_config.json"]
+        files[0].write_text(json.dumps(tokenizer, ensure_ascii=False))
+        files[1].write_text(json.dumps(tokenizer_config(metadata), indent=2) + "\n")
+        save(out_dir, config, state, extra_files=files)
+    return Path(out_dir)
 
 
 # --- §10 blocks back to floats ---------------------------------------------------------------------

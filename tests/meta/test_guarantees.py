@@ -214,9 +214,76 @@ def test_notebook_is_committed_without_outputs(folder, notebook):
     assert not dirty, f"{folder}/{notebook}: cells {dirty} carry outputs; strip them before committing"
 
 
+# Run in the handout's kernel before each "## §k": every TODO of a later section raises as the skeleton's does, so a
+# cell that needs one, directly or through given code (stage 04's §3 demo once called engine.generate, which needs
+# §4's scheduler), fails here as it would for a learner who has done only the sections so far. A call from another
+# TODO's body is let through: how a learner writes that body is theirs (stage 04's §1 allocate may skip §3's cache).
+GATE = """
+import importlib, sys
+from labkit import ROOT
+from labkit.grading import todo
+
+def _labkit_gate(folder, section, originals={}, raisers={}):
+    loaded = lambda: [m for n, m in list(sys.modules.items()) if n.startswith(f"solutions.{folder}.")]
+    todos = todo.stage_todos(ROOT, folder)
+    names = {name for found in todos.values() for name, _ in found}
+    for module, found in todos.items():
+        owner = importlib.import_module(f"solutions.{folder}.{module}")
+        for name, (notebook, k) in found:
+            *path, attr = name.split(".")
+            owner_ = getattr(owner, path[0]) if path else owner  # a method's class, or the module
+            key = (module, name)
+            original = originals.setdefault(key, vars(owner_)[attr])
+            if key not in raisers:
+                message = f"{folder[:7]}: {name} — see lab{'' if notebook == 1 else notebook}.ipynb §{k}"
+                def raiser(*args, _message=message, _original=getattr(original, "__func__", original), **kwargs):
+                    caller = sys._getframe(1).f_code
+                    if "/solutions/" in caller.co_filename and caller.co_qualname in names:
+                        return _original(*args, **kwargs)  # another TODO's body: the learner writes that one
+                    raise NotImplementedError(_message)
+                raisers[key] = type(original)(raiser) if isinstance(original, (staticmethod, classmethod)) else raiser
+            now = original if (notebook, k) <= section else raisers[key]
+            setattr(owner_, attr, now)
+            if not path:  # and where another module imported it by name (`from .sampling import sample`)
+                for mod in loaded():
+                    if vars(mod).get(attr) in (original, raisers[key]):
+                        setattr(mod, attr, now)
+"""
+
+
+# Handouts that still need a later section's TODO somewhere, run ungated until fixed (issue 45).
+UNGATED = {
+    (
+        "stage07_tensor_parallel",
+        "fleet/lab3.ipynb",
+    ): "§5's cell ends in StatisticsError (median of no data) when only the "
+    "TODOs up to lab3 §5 are written: it reaches a later handout's TODO through given code",
+    ("stage07_tensor_parallel", "fleet/lab5.ipynb"): "gated, a cell ended in max_rate_meeting's ValueError (attainment "
+    "below 0.9 at every rate) on a machine at load ~15; not yet told apart from a timing effect",
+}
+
+
+def gated(nb, folder: str, notebook: str):
+    """nb with the gate defined at its top and run before each section: later sections' TODOs raise (GATE)."""
+    import nbformat
+
+    if (folder, notebook) in UNGATED:
+        return nb
+
+    part = int(Path(notebook).stem[3:] or 1)  # "fleet/lab2.ipynb" -> 2
+    cells = [nbformat.v4.new_code_cell(GATE)]  # the setup cells before the first section run ungated
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and (m := re.search(r"^## §(\d+)", cell.source, re.M)):
+            cells.append(nbformat.v4.new_code_cell(f"_labkit_gate({folder!r}, ({part}, {m.group(1)}))"))
+        cells.append(cell)
+    nb.cells = cells
+    return nb
+
+
 @needs_solutions
 @pytest.mark.parametrize("folder, notebook", NOTEBOOKS)
 def test_notebook_runs_top_to_bottom_against_the_solution(folder, notebook, monkeypatch):
+    """Top to bottom on the solution, each section with only the TODOs of the sections so far written."""
     import nbformat
     from nbclient import NotebookClient
 
@@ -224,7 +291,7 @@ def test_notebook_runs_top_to_bottom_against_the_solution(folder, notebook, monk
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setenv("MPLBACKEND", "Agg")
     path = ROOT / folder / notebook
-    nb = nbformat.read(path, as_version=4)
+    nb = gated(nbformat.read(path, as_version=4), folder, notebook)
     t0 = time.perf_counter()
     NotebookClient(
         nb, timeout=NOTEBOOK_BUDGET_S, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}

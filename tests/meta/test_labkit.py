@@ -9,9 +9,10 @@ import labkit
 from labkit import bench, checkpoint, impl
 from labkit.model import Config, Llama, from_pretrained, init_weights, save
 from labkit.testing import (
+    FP32_MARGIN,
     LLAMA_CONFIGS,
+    assert_hf_greedy,
     hf_from_labkit,
-    hf_greedy,
     labkit_from_hf,
     random_labkit_llama,
     random_llama,
@@ -62,7 +63,8 @@ def test_cache_overflow_and_bad_truncate_say_what_to_do():
 def test_generate_equals_hf_greedy():
     hf = random_llama(seed=6, **LLAMA_CONFIGS["gqa4-3layers"])
     prompt = random_tokens(6, 9, 97).tolist()
-    assert labkit_from_hf(hf).generate(prompt, 12, stop_at_eos=False) == hf_greedy(hf, prompt, 12)
+    got = labkit_from_hf(hf).generate(prompt, 12, stop_at_eos=False)
+    assert_hf_greedy(got, hf, prompt, 12, FP32_MARGIN, "seed=6: labkit's generate")
 
 
 def test_hf_roundtrip_of_weights():

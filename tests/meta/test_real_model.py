@@ -43,7 +43,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return out
 
 
-def write_tiny_gguf(path, hf, extra=None, tokenizer_model="gpt2", extra_tensor=None):
+def write_tiny_gguf(path, hf, extra=None, tokenizer_model="gpt2", extra_tensor=None, pre="smollm"):
     """hf (a random LlamaForCausalLM) as llama.cpp would write it in F32, with a 97-token byte-level vocabulary."""
     import gguf
 
@@ -62,7 +62,8 @@ def write_tiny_gguf(path, hf, extra=None, tokenizer_model="gpt2", extra_tensor=N
     for key, value in (extra or {}).items():
         w.add_string(key, value)
     w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre("smollm")
+    if pre is not None:
+        w.add_tokenizer_pre(pre)
     w.add_token_list(SPECIALS + [chr(b) for b in range(33, 33 + c.vocab_size - len(SPECIALS) - 1)] + ["ab"])
     w.add_token_types([3] * len(SPECIALS) + [1] * (c.vocab_size - len(SPECIALS)))
     w.add_token_merges(["a b"])
@@ -128,6 +129,21 @@ def test_reader_refuses_what_it_cannot_reproduce(tmp_path, kwargs, named):
     hf = random_llama(0)
     path = write_tiny_gguf(tmp_path / "odd.gguf", hf, **kwargs)
     with pytest.raises(gguf_model.GGUFError, match=named):
+        gguf_model.convert(path, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists(), "a refused conversion must leave no folder behind"
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "default", None])
+def test_reader_splits_as_llama_cpp_does_for_its_pre_tokenizer_names(tmp_path, pre):
+    """The name "gpt-2" (what llama.cpp's converter and stage 03's exporter write) is GPT-2's split; "default", and no
+    name at all, are llama.cpp's own cascade of four regexes, which is not GPT-2's and is refused."""
+    path = write_tiny_gguf(tmp_path / "t.gguf", random_llama(0), pre=pre)
+    if pre == "gpt-2":
+        folder = gguf_model.convert(path, tmp_path / "hf")
+        split = json.loads((folder / "tokenizer.json").read_text())["pre_tokenizer"]
+        assert (split["type"], split["use_regex"]) == ("ByteLevel", True), f"GPT-2's split is ByteLevel's: {split}"
+        return
+    with pytest.raises(gguf_model.GGUFError, match="default"):
         gguf_model.convert(path, tmp_path / "hf")
     assert not (tmp_path / "hf").exists(), "a refused conversion must leave no folder behind"
 

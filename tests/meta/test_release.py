@@ -44,15 +44,36 @@ def test_edition_leaves_out_solutions_mutants_and_the_instructors_notes(edition)
     assert (edition / "tests" / "stage01_forward_numpy").is_dir() and (edition / "labkit" / "assets").is_dir()
 
 
-# What an instructor's checkout has and the edition does not: its targets, the solutions, their switch, the notes.
-LACKS = re.compile(
-    r"make (?:test|mutants|student-edition)\b|IMPL=solution|--impl solution|\bsolutions[./]|INSTRUCTORS\.md|ANSWERS\.md"
-)
+def targets(makefile) -> set[str]:
+    return set(re.findall(r"^([\w-]+):", makefile.read_text(), re.M))
+
+
+def lacks(edition) -> re.Pattern:
+    """A mention of what the instructors' checkout has and the edition does not, derived from the two: a make
+    target it dropped, a file or folder it left out (as a path, or as a module: solutions.stage01_x), the switch
+    value that picks the solutions, and a claim that a command runs the reference code."""
+    forms = [rf"make {t}\b" for t in sorted(targets(ROOT / "Makefile") - targets(edition / "Makefile"))]
+    for left in release.LEFT_OUT:
+        assert not (edition / left).exists(), f"{left} is in the edition"
+        base = left.rstrip("/")
+        tail = r"(?:/|\.\w)" if left.endswith("/") else r"\b"  # a folder: `solutions/x`, `solutions.stage01`
+        forms += [rf"(?<![\w/.]){re.escape(name)}{tail}" for name in {base, base.removesuffix(".py").replace("/", ".")}]
+    forms += [r"IMPL=solution\b", r"--impl solution\b", r"impl=.solution"]
+    reference = r"(?:reference (?:solution|one|implementation)|answer key)\b"
+    forms += [
+        rf"(?:make \w|python -m|pytest|default).*{reference}",
+        rf"{reference}.*(?:make \w|python -m|pytest|default)",
+    ]
+    forms += [r"with the reference solution"]  # what a command does, said of the reference: it runs yours here
+    return re.compile("|".join(forms))
 
 
 def learner_texts(edition):
-    """(path, text) of what a learner reads: the README, the Makefile, each stage's README and handouts."""
-    for path in [edition / "README.md", edition / "Makefile", *sorted(edition.glob("stage*/README.md"))]:
+    """(where, text) of what a learner reads: every Markdown file, the Makefile, each handout's cells and each
+    stage module. AGENTS.md speaks to a coding assistant: it names solutions/ only to forbid reading it."""
+    paths = [p for p in sorted(edition.rglob("*.md")) if p.name != "AGENTS.md"]
+    paths += [edition / "Makefile", *sorted(edition.glob("stage*/*.py"))]
+    for path in paths:
         yield path.relative_to(edition), path.read_text()
     for path in sorted(edition.glob("stage*/*.ipynb")):
         for i, cell in enumerate(json.loads(path.read_text())["cells"]):
@@ -60,11 +81,12 @@ def learner_texts(edition):
 
 
 def test_the_editions_readme_makefile_and_handouts_name_nothing_it_leaves_out(edition):
+    pattern = lacks(edition)
     hits = [
         f"{where}: {line.strip()[:140]}"
         for where, text in learner_texts(edition)
         for line in text.splitlines()
-        if LACKS.search(line)
+        if pattern.search(line)
     ]
     assert not hits, "instructors' text in the learner edition:\n" + "\n".join(hits)
     assert "labkit.grading.suite" not in (edition / "Makefile").read_text(), "make test is not the learner's"

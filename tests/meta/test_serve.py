@@ -75,3 +75,13 @@ def test_engine_config_refuses_settings_it_cannot_honour():
     assert EngineConfig(num_blocks=8).context_length(512) == 128, "so does the pool"
     with pytest.raises(TypeError, match="no engine setting blocksize"):
         EngineConfig().replace(blocksize=8)
+
+
+def test_serve_usage_says_which_model_make_serve_runs():
+    """`make serve` runs the real model (the Makefile's MODEL defaults to `real`), `python -m ...serve` the tiny
+    target: serve.py's usage must not promise the tiny one to `make serve`."""
+    recipe = next(line for line in (ROOT / "Makefile").read_text().splitlines() if "stage04_batching.serve" in line)
+    assert "MODEL:-real}" in recipe, recipe
+    usage = (ROOT / "stage04_batching" / "serve.py").read_text().split('"""')[1]
+    plain = [line for line in usage.splitlines() if line.strip().startswith("make serve")]
+    assert plain and all("SmolLM2" in line and "tiny" not in line for line in plain), usage

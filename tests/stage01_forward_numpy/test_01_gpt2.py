@@ -154,6 +154,21 @@ def test_attention_weights_mask_exactly_whatever_the_score_scale(impl, seed):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("Tq", [1, 3])
+def test_attention_weights_of_a_decode_step_see_the_whole_prefix(impl, seed, Tq):
+    """Tq < Tk (a decode step after a prefix): query i sits at position Tk - Tq + i, so the mask's
+    diagonal is offset by Tk - Tq; a mask built for Tq = Tk hides keys the queries may see."""
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(2, Tq, 8)).astype(np.float32)
+    k = rng.normal(size=(2, 11, 8)).astype(np.float32)
+    w = impl(MODULE).attention_weights(q, k)
+    assert w.shape == (2, Tq, 11), f"expected (H, Tq, Tk) = (2, {Tq}, 11), got {w.shape}"
+    np.testing.assert_allclose(
+        w, causal_reference(q, k), atol=1e-6, err_msg=f"Tq={Tq} queries at positions {11 - Tq}..10, seed={seed}"
+    )
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_attention_matches_torch_sdpa(impl, seed):
     rng = np.random.default_rng(seed)
     q, k, v = rng.normal(size=(3, 5, 19, 16)).astype(np.float32)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from labkit.checkpoint import load_tokenizer, require_real_model
-from labkit.testing import hf_greedy, hf_logits, real_hf, real_ids
+from labkit.testing import assert_greedy_within, hf_greedy_logits, hf_logits, kept, real_hf, real_ids
 
 MODULE = "stage01_forward_numpy.llama_numpy"
 # 30 float32 layers of a real model sum in another order than PyTorch's: 1e-4 of a logit range of ~40
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.real
 
 @pytest.fixture(scope="module")
 def params(impl):
-    return impl(MODULE).load_llama_params(require_real_model())
+    return kept(impl(MODULE).load_llama_params, require_real_model())  # graded in a worker: its weights stay there
 
 
 def test_llama_forward_matches_hf_on_real_text(impl, params):
@@ -37,6 +37,7 @@ def test_llama_forward_matches_hf_on_real_text(impl, params):
 
 def test_numpy_llama_answers_like_hf(impl, params):
     prompt = load_tokenizer(require_real_model()).encode(QUESTION).ids
-    expected = hf_greedy(real_hf(), prompt, 8)
+    expected, logits = hf_greedy_logits(real_hf(), prompt, 8)
     got = impl("stage01_forward_numpy.sampling").generate(impl(MODULE).llama_forward, params, prompt, 8)
-    assert got == expected, f"greedy tokens for {QUESTION!r}: got {got}, HF generate(do_sample=False) {expected}"
+    # a forward within TOLERANCE of HF's logits may part from HF only at a token HF rates within 2 TOLERANCE
+    assert_greedy_within(got, expected, logits, 2 * TOLERANCE, f"greedy tokens for {QUESTION!r}: HF generate")

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit.testing import random_labkit_llama, random_tokens
+from labkit.testing import FP32_MARGIN, random_labkit_llama, random_tokens
 
 MOD = "stage03_quantization.evaluate"
 SEEDS = [0, 1, 2]
@@ -73,8 +73,12 @@ def test_evaluate_weights_a_short_last_batch_by_its_windows(impl, n):
         ref, cand = model(windows).float(), noisy(windows).float()
     kl = F.kl_div(cand.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()
     agreement = (ref.argmax(-1) == cand.argmax(-1)).float().mean()
+    # Batches of another size sum in another order: a position whose top two logits lie within FP32_MARGIN may
+    # pick the other token there, moving the mean by 1 / positions; a mean of per-batch means is off by more.
+    top2 = torch.stack([ref.topk(2, -1).values, cand.topk(2, -1).values])
+    slack = ((top2[..., 0] - top2[..., 1]) < FP32_MARGIN).any(0).float().mean().item()
     assert report.kl == pytest.approx(kl.item(), rel=1e-4), f"n={n} windows: mean KL over every position"
-    assert report.top1_agreement == pytest.approx(agreement.item(), abs=1e-6), (
+    assert report.top1_agreement == pytest.approx(agreement.item(), abs=slack + 1e-6), (
         f"n={n} windows: agreement over every position, not a mean of per-batch means"
     )
 

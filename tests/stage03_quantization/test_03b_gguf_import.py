@@ -161,9 +161,13 @@ def gguf_name(hf: str) -> str:
     return f"blk.{parts[2]}.{short['.'.join(parts[3:-1])]}.weight"
 
 
-def write_gguf(path: Path, hf_model, seed: int, pre: str = "gpt-2", key_length: bool = True) -> Path:
+def write_gguf(
+    path: Path, hf_model, seed: int, pre: str = "gpt-2", key_length: bool = True, omit=(), n_tokens=None
+) -> Path:
     """A llama GGUF of `hf_model` as llama.cpp's converter writes one: metadata, the tiny target's tokenizer
-    and chat template, q/k rows permuted, each matrix in a type drawn from KINDS (K-quants as random blocks)."""
+    and chat template, q/k rows permuted, each matrix in a type drawn from KINDS (K-quants as random blocks).
+    Keys named in `omit` ("head_count_kv", "rope_freq_base", "add_bos_token") are left out, as other writers
+    may; n_tokens < vocab_size writes that many tokens and llama.vocab_size, as for a padded embedding."""
     rng = np.random.default_rng(seed)
     c = hf_model.config
     writer = GGUFWriter(path, "llama")
@@ -172,23 +176,28 @@ def write_gguf(path: Path, hf_model, seed: int, pre: str = "gpt-2", key_length: 
     writer.add_block_count(c.num_hidden_layers)
     writer.add_feed_forward_length(c.intermediate_size)
     writer.add_head_count(c.num_attention_heads)
-    writer.add_head_count_kv(c.num_key_value_heads)
+    if "head_count_kv" not in omit:
+        writer.add_head_count_kv(c.num_key_value_heads)
     if key_length:
         writer.add_key_length(c.head_dim)
         writer.add_value_length(c.head_dim)
     writer.add_rope_dimension_count(c.head_dim)
-    writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    if "rope_freq_base" not in omit:
+        writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
-    tokens, types, merges = tiny_vocab(c.vocab_size)
+    tokens, types, merges = tiny_vocab(n_tokens or c.vocab_size)
+    if n_tokens:
+        writer.add_vocab_size(c.vocab_size)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_pad_token_id(0)
-    writer.add_add_bos_token(False)
+    if "add_bos_token" not in omit:
+        writer.add_add_bos_token(False)
     writer.add_chat_template(TEMPLATE)
     heads = {"q_proj": c.num_attention_heads, "k_proj": c.num_key_value_heads}
     for name, t in hf_model.state_dict().items():
@@ -267,6 +276,27 @@ def test_03b_config_from_gguf_matches_transformers(impl, tmp_path, seed, tied, n
     )
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_03b_config_from_gguf_takes_llamacpps_defaults_where_the_file_is_silent(impl, tmp_path, seed):
+    """A writer may omit the KV head count of a plain multi-head model and RoPE's base; llama.cpp then reads
+    n_head KV heads and θ = 10,000 (llama-model.cpp). An embedding padded past the token list (to a multiple of
+    64, say) has llama.vocab_size rows, and the model's logits cover them all."""
+    model = random_llama(
+        seed, vocab_size=1024, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=64, tie_word_embeddings=bool(seed), rms_norm_eps=1e-6,
+    )  # fmt: skip
+    n_tokens = 900 + 37 * seed  # every one of the tiny target's 857 tokens, then padding rows without a token
+    path = write_gguf(tmp_path / "m.gguf", model, seed, omit=("head_count_kv", "rope_freq_base"), n_tokens=n_tokens)
+    metadata, names = file_metadata(path)
+    assert "llama.attention.head_count_kv" not in metadata and "llama.rope.freq_base" not in metadata
+    got = impl(MOD).config_from_gguf(metadata, names)
+    case = f"seed={seed}: a file without head_count_kv and rope.freq_base, {n_tokens} tokens, llama.vocab_size 1024"
+    assert got.get("num_key_value_heads") == 4, f"{case}: num_key_value_heads {got.get('num_key_value_heads')!r}"
+    theta = got.get("rope_parameters", {}).get("rope_theta")
+    assert theta == 10_000.0, f"{case}: rope_theta {theta!r}, llama.cpp's default is 10,000"
+    assert got.get("vocab_size") == 1024, f"{case}: vocab_size {got.get('vocab_size')!r}, the embedding has 1024 rows"
+
+
 def test_03b_config_from_gguf_refuses_what_it_cannot_express(impl, tmp_path):
     metadata, names = file_metadata(write_gguf(tmp_path / "m.gguf", small_llama(0, True), 0))
     config_from_gguf = impl(MOD).config_from_gguf
@@ -334,6 +364,16 @@ def test_03b_tokenizer_json_refuses_what_it_cannot_build(impl, tmp_path):
             impl(MOD).tokenizer_json({**metadata, **change})
 
 
+def test_03b_import_gguf_refused_leaves_no_folder(impl, tmp_path):
+    """A file refused for its tokenizer leaves nothing at out_dir: weights without a tokenizer.json
+    would load in from_pretrained and fail later, far from the reason."""
+    path = write_gguf(tmp_path / "m.gguf", small_llama(0, True), 0, pre="deepseek-coder")
+    with pytest.raises(ValueError, match="deepseek-coder"):
+        impl(MOD).import_gguf(path, tmp_path / "hf")
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["m.gguf"], f"import_gguf refused the file but left {left} behind"
+
+
 def test_03b_tokenizer_config_has_special_tokens_and_chat_template(impl, tmp_path):
     from transformers import AutoTokenizer
 
@@ -348,6 +388,19 @@ def test_03b_tokenizer_config_has_special_tokens_and_chat_template(impl, tmp_pat
         "the chat template must be the file's, unchanged"
     )
     assert got.get("add_bos_token") is False, "the file says add_bos_token = false"
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "smollm"])
+def test_03b_tokenizer_config_adds_no_bos_where_the_file_is_silent(impl, tmp_path, pre):
+    """Without tokenizer.ggml.add_bos_token, llama.cpp adds no BOS for these byte-level BPE pre-tokenizers
+    (llama-vocab.cpp sets it only for llama3-style ones), and neither may the folder."""
+    path = write_gguf(tmp_path / "m.gguf", small_llama(0, True), 0, pre=pre, omit=("add_bos_token",))
+    metadata = file_metadata(path)[0]
+    assert "tokenizer.ggml.add_bos_token" not in metadata
+    got = impl(MOD).tokenizer_config(metadata)
+    assert got.get("add_bos_token") is False, (
+        f"pre {pre!r}, no add_bos_token key: add_bos_token {got.get('add_bos_token')!r}"
+    )
 
 
 # --- the whole folder --------------------------------------------------------------------------------

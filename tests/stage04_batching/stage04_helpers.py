@@ -12,7 +12,7 @@ import torch
 
 from labkit.model import Llama
 from labkit.serving import serving
-from labkit.testing import random_labkit_llama
+from labkit.testing import FP32_MARGIN, assert_greedy_within, greedy_logits, random_labkit_llama
 
 PROMPT = "Once upon a time, there was"
 
@@ -42,14 +42,19 @@ def model_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reference_decode(model, prompt: list[int], n: int, penalize=None, generator=None, temperature=1.0) -> list[int]:
+def reference_decode(
+    model, prompt: list[int], n: int, penalize=None, generator=None, temperature=1.0, seen=None
+) -> list[int]:
     """n tokens by recomputing the whole sequence each step: argmax, or a draw from softmax(logits / T)
-    with `generator`; penalize(logits, output so far) -> logits is applied first."""
+    with `generator`; penalize(logits, output so far) -> logits is applied first, and each step's
+    logits are appended to `seen` if given."""
     out: list[int] = []
     for _ in range(n):
         logits = model(torch.tensor([prompt + out]))[0, -1].float()
         if penalize is not None:
             logits = penalize(logits, out)
+        if seen is not None:
+            seen.append(logits)
         if generator is None:
             out.append(int(logits.argmax()))
         else:
@@ -60,6 +65,13 @@ def reference_decode(model, prompt: list[int], n: int, penalize=None, generator=
 def reference(model: Llama, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
     """Each request generated alone with labkit's contiguous KV cache (greedy, stops at EOS)."""
     return [model.generate(p, n) for p, n in zip(prompts, max_tokens, strict=True)]
+
+
+def assert_alone(got: list[int], model: Llama, prompt: list[int], want: list[int], what: str) -> None:
+    """A request's greedy tokens from the engine are `want` (generated alone, `reference`) up to a near-tie of
+    the model's logits: a batch, a paged cache or a chunk sums in other shapes than one request alone, so a
+    token the model rates within FP32_MARGIN of its maximum may win there (labkit.testing.assert_greedy_within)."""
+    assert_greedy_within(got, want, lambda: greedy_logits(model, prompt, want), FP32_MARGIN, what)
 
 
 class TokenCounter:

@@ -16,6 +16,8 @@ from stage04_helpers import (
     wait_blocks_free,
 )
 
+from labkit.testing import FP32_MARGIN, assert_decisive
+
 
 @pytest.fixture(scope="module")
 def server(impl, tokenizer):
@@ -53,8 +55,12 @@ def test_echo_returns_the_prompt_logprobs_of_a_forward_pass(server, client, toke
             f"attempt {attempt}: prompt logprobs {lp.token_logprobs[1:]} != forward pass {want}"
         )
         for t in range(1, len(ids)):  # the most likely token and the chosen one (OpenAI: logprobs + 1 at most)
-            best = int(ref[t - 1].argmax())
-            assert abs(lp.top_logprobs[t][tokenizer.decode([best])] - ref[t - 1, best].item()) < 1e-4, f"position {t}"
+            # the server's most likely token: the reference's, or one within FP32_MARGIN of it (a near-tie)
+            top = lp.top_logprobs[t]
+            best = max(top, key=top.get)
+            near = (ref[t - 1] >= ref[t - 1].max() - FP32_MARGIN).nonzero()[:, 0].tolist()
+            assert best in {tokenizer.decode([i]) for i in near}, f"position {t}: top {best!r}, reference {near}"
+            assert abs(top[best] - ref[t - 1].max().item()) < 1e-4, f"position {t}"
     assert wait_blocks_free(server.engine) == 0, "echo requests must free their blocks"
 
 
@@ -71,6 +77,10 @@ def test_chat_logprobs_and_top_logprobs_follow_the_model(server, client, tokeniz
     prompt = tokenizer.encode("user: Tell me about the fox\nassistant:").ids  # no chat template: role lines
     out = reference_decode(server.model, prompt, 6)
     ref = model_logprobs(server.model, prompt + out)[len(prompt) - 1 :]
+    # the server's batches sum in other orders: its names and order of the top 3 are the reference's only where
+    # ranks 1 to 4 stand more than FP32_MARGIN apart, which holds for this prompt on every CPU
+    gaps = -ref.topk(4).values.diff(dim=-1)
+    assert gaps.min() > FP32_MARGIN, f"the reference has a near-tie in its top 4: gaps {gaps.min():.3g}"
     content = r.choices[0].logprobs.content
     assert [c.token for c in content] == [tokenizer.decode([t]) for t in out], "one entry per greedy token"
     for i, (entry, token) in enumerate(zip(content, out, strict=True)):
@@ -97,7 +107,9 @@ def test_penalties_and_logit_bias_follow_openai_semantics(server, client, tokeni
             logits[t] += b
         return logits
 
-    want = reference_decode(server.model, prompt, 12, penalize)
+    seen = []
+    want = reference_decode(server.model, prompt, 12, penalize, seen=seen)
+    assert_decisive(want, torch.stack(seen), FP32_MARGIN, "penalized reference")  # so text compares exactly
     r = client.completions.create(
         model="test-model",
         prompt=prompt,

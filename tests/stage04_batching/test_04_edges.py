@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from stage04_helpers import make_model, random_prompts, reference
+from stage04_helpers import assert_alone, make_model, random_prompts, reference
 
 
 def _seq(impl, rid, tokens):
@@ -79,7 +79,7 @@ def test_a_prompt_retried_after_an_abort_mid_prefill_gives_the_same_output(impl,
         f"seed={seed}: the aborted attempt computed 20 tokens (2 full blocks of 8); the retry reused "
         f"{again.num_cached_tokens}"
     )
-    assert again.token_ids == reference(model, [prompt], [8])[0], f"seed={seed}: the retry's output changed"
+    assert_alone(again.token_ids, model, prompt, reference(model, [prompt], [8])[0], f"seed={seed}: the retry")
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -104,9 +104,7 @@ def test_requests_sharing_a_prefix_arrive_while_it_is_being_prefilled(impl, seed
             outputs[out.request_id] = out
     ref = reference(model, prompts, [6] * 4)
     for i, rid in enumerate(ids):
-        assert outputs[rid].token_ids == ref[i], (
-            f"seed={seed}: request {i} gave {outputs[rid].token_ids}, alone {ref[i]}"
-        )
+        assert_alone(outputs[rid].token_ids, model, prompts[i], ref[i], f"seed={seed}: request {i} against alone")
     assert engine.block_manager.num_used_blocks == 0, f"seed={seed}: finished requests must free their blocks"
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from labkit.checkpoint import load_tokenizer, require_real_model
 from labkit.serving import serving
-from labkit.testing import hf_greedy, real_hf, real_labkit
+from labkit.testing import REAL_MARGIN, assert_decisive, assert_hf_greedy, hf_greedy_logits, real_hf, real_labkit
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]  # loading SmolLM2 alone takes seconds
 
@@ -67,10 +67,7 @@ def test_four_batched_chats_on_smollm2_equal_hf_greedy(impl, chat):
     outs = engine.generate(prompts, [params] * len(prompts))
     for q, m, prompt, out in zip(QUESTIONS, messages, prompts, outs, strict=True):
         assert prompt == hf_chat_ids(m), f"seed=0: {q!r}: the chat template gives other ids than HF's tokenizer"
-        want = hf_greedy(real_hf(), prompt, 12)
-        assert out.token_ids == want, (
-            f"seed=0: {q!r} batched with 3 other chats on SmolLM2: engine {out.token_ids}, HF greedy {want}"
-        )
+        assert_hf_greedy(out.token_ids, real_hf(), prompt, 12, REAL_MARGIN, f"seed=0: {q!r} batched with 3 chats")
     assert engine.block_manager.num_used_blocks == 0, "seed=0: finished requests left KV blocks in use"
 
 
@@ -98,8 +95,7 @@ def test_shared_system_prompt_hits_the_prefix_cache_on_smollm2(impl, chat):
         f"seed=0: the second chat should prefill {len(b) - hit} tokens, it computed {prefill}"
     )
     for prompt, out in ((a, first), (b, second)):
-        want = hf_greedy(real_hf(), prompt, 6)
-        assert out.token_ids == want, f"seed=0: with the prefix cache: engine {out.token_ids}, HF greedy {want}"
+        assert_hf_greedy(out.token_ids, real_hf(), prompt, 6, REAL_MARGIN, "seed=0: with the prefix cache")
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +122,11 @@ def test_server_chat_on_smollm2_streamed_and_not_answers_as_hf(server):
     text = done.choices[0].message.content
     assert streamed == text, f"seed=0: streamed chat {streamed!r}, plain chat {text!r}"
     ids = hf_chat_ids(messages)
-    want = load_tokenizer(require_real_model()).decode(until_eos(hf_greedy(real_hf(), ids, 16)))
+    want, logits = hf_greedy_logits(real_hf(), ids, 16)
+    assert_decisive(
+        want[: len(until_eos(want)) + 1], logits, REAL_MARGIN, "seed=0: HF greedy on the chat"
+    )  # so text compares exactly
+    want = load_tokenizer(require_real_model()).decode(until_eos(want))
     assert text == want, f"seed=0: the server answered {text!r}; HF greedy on the same chat: {want!r}"
     assert text == CAPITAL, f"seed=0: SmolLM2 greedy should answer {CAPITAL!r}, the server gave {text!r}"
     assert done.choices[0].finish_reason == "stop", "seed=0: the answer ends with <|im_end|>, so finish_reason 'stop'"

@@ -41,6 +41,41 @@ def test_top_k_and_top_p_keep_exactly_their_support(impl, seed):
     assert sample(logits, _params(impl, temperature=0.0), gen) == order[0], f"seed={seed}: temperature 0 is argmax"
 
 
+@pytest.mark.parametrize("vocab", [6, 20])
+def test_each_knob_at_and_past_its_bounds_alone_and_combined(impl, vocab):
+    """Clients send their own defaults whatever the model (top_k 40, 50, 100 or 1,000 against a small
+    vocabulary; top_p 1.0; a tiny or a large temperature): a top_k at or past the vocabulary keeps every
+    token, top_p 1 keeps every token, a tiny top_p keeps the most likely one, and the knobs combine."""
+    sample = impl("stage04_batching.sampling").sample
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(vocab, generator=gen) * 0.5  # every token at least ~2 % likely: 600 draws see each
+    order = logits.argsort(descending=True).tolist()
+    probs = torch.softmax(logits, -1)[order]
+    nucleus = set(order[: int((torch.cumsum(probs, -1) < 0.6).sum()) + 1])
+    every, top = set(range(vocab)), {order[0]}
+    cases = [
+        (dict(top_k=vocab), every),
+        (dict(top_k=vocab + 1), every),
+        (dict(top_k=100), every),
+        (dict(top_k=1000), every),
+        (dict(top_p=1.0), every),
+        (dict(top_p=1e-6), top),
+        (dict(top_k=1000, top_p=1.0), every),
+        (dict(top_k=1000, top_p=0.6), nucleus),
+        (dict(top_k=3, top_p=1.0), set(order[:3])),
+        (dict(top_k=1, top_p=0.99), top),
+        (dict(temperature=100.0, top_k=1000), every),
+        (dict(temperature=1e-4, top_k=1000, top_p=1.0), top),
+    ]
+    for kw, want in cases:
+        params = _params(impl, **{"temperature": 1.0, **kw})
+        got = {sample(logits, params, gen) for _ in range(600)}
+        assert got == want, f"seed={vocab}: vocabulary {vocab}, {kw}: sampled {sorted(got)}, support {sorted(want)}"
+    for bad in (dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(temperature=-0.5)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            _params(impl, **bad)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_greedy_ties_and_top_k_of_one(impl, seed):
     sample = impl("stage04_batching.sampling").sample

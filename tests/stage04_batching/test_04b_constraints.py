@@ -148,3 +148,99 @@ def test_heavy_constraints_neither_stall_a_bystander_nor_run_past_a_budget(impl,
             r.text,
         )
         assert took < 3.0, f"{pattern!r} was refused after {took:.1f} s; a budget must refuse within about a second"
+
+
+# The benchmark's three constraint classes (labkit/bench/stage04b_guided.py), each with a text it matches.
+ADDRESS = (
+    r"[0-9]{1,5} [A-Z][a-z]+ (Street|Avenue|Road|Lane), [A-Z][a-z]+, [A-Z]{2} [0-9]{5}, "
+    r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+)
+CLASSES = [
+    ("[ -~]*a[ -~]{10}", "Once upon a time there was a robot who read books in the park, all a long day."),
+    (
+        r'\{[ ]?"name"[ ]?:[ ]?"[^"\\\x00-\x1f]*"[ ]?,[ ]?"city"[ ]?:[ ]?"[^"\\\x00-\x1f]*"[ ]?,[ ]?"age"[ ]?:[ ]?'
+        r"-?(0|[1-9][0-9]{0,15})[ ]?\}",
+        '{"name": "Ada Lovelace, Countess", "city": "London, England", "age": 36}',
+    ),
+    (ADDRESS, "221 Baker Street, Springfield, IL 62704, 2024-03-15"),
+]
+
+
+def gpt2_bytes(tok, vocab_size: int) -> list[bytes | None]:
+    """Each token's bytes through transformers' GPT-2 byte table (not the learner's token_bytes)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {char: b for b, char in bytes_to_unicode().items()}
+    special = set(tok.get_added_tokens_decoder())
+    vocab: list[bytes | None] = [None] * vocab_size
+    for text, i in tok.get_vocab(with_added_tokens=False).items():
+        if i < vocab_size and i not in special:
+            vocab[i] = bytes(byte_of[c] for c in text)
+    return vocab
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.parametrize("case", range(len(CLASSES)))
+def test_masks_on_smollm2_equal_a_byte_walk_of_every_token(impl, case):
+    """On SmolLM2's 49,152 tokens, along a text's own token path: each state's row equals the walk of every
+    token's bytes through the DFA (a printable class, a JSON object with free strings, a literal-heavy date)."""
+    from labkit.checkpoint import load_tokenizer, require_real_model
+
+    structured = impl("stage04_batching.structured")
+    pattern, text = CLASSES[case]
+    tok = load_tokenizer(require_real_model())
+    vocab_size, eos = 49152, 0
+    dfa = byte_dfa.compile_regex(pattern)
+    index = structured.build_token_index(dfa, structured.token_bytes(tok, vocab_size), eos)
+    vocab = gpt2_bytes(tok, vocab_size)
+    guide = structured.Guide(index)
+    path = tok.encode(text).ids
+    for step, token in enumerate(path):
+        if step % 4 == 0 or step == len(path) - 1:
+            want, want_next = walk_row(dfa, vocab, guide.state, eos)
+            allowed, nxt = index.row(guide.state)
+            wrong = (allowed != want).nonzero().flatten().tolist()
+            assert not wrong, (
+                f"case={case} step={step} state={guide.state}: {len(wrong)} wrong mask entries, e.g. "
+                f"{[(t, vocab[t], bool(allowed[t])) for t in wrong[:4]]}"
+            )
+            assert torch.equal(nxt.to(torch.int64), want_next), f"case={case} step={step}: next_state differs"
+        guide.advance(token)
+    assert guide.state in dfa.accepting, f"case={case}: {text!r} ends in an accepting state"
+
+
+def run_beside(impl, tokenizer, companions: list[dict]) -> tuple[list[int], list]:
+    """A seeded bystander's token ids, generated in one batch with three companions (SamplingParams kwargs)."""
+    from stage04_helpers import make_model
+
+    engine_mod, sequence = impl("stage04_batching.engine"), impl("stage04_batching.sequence")
+    model = make_model(7, vocab_size=tokenizer.get_vocab_size())
+    engine = engine_mod.LLMEngine(model, tokenizer, num_blocks=96, max_num_seqs=8)
+    params = [sequence.SamplingParams(max_tokens=40, temperature=1.0, seed=11, ignore_eos=True)]
+    params += [sequence.SamplingParams(temperature=1.0, seed=i, **kw) for i, kw in enumerate(companions)]
+    outs = engine.generate([PROMPT] * len(params), params)
+    return outs[0].token_ids, outs[1:]
+
+
+# Bounded runs, so that a random model's output always ends within max_tokens.
+BOUNDED_ADDRESS = (
+    r"[0-9]{1,5} [A-Z][a-z]{1,6} (Street|Avenue|Road|Lane), [A-Z]{2} [0-9]{5}, (19|20)[0-9]{2}-(0[1-9]|1[0-2])"
+)
+
+
+@pytest.mark.parametrize("pattern", [BOUNDED_ADDRESS, r"[ -~]{5,20}a[0-9]{3}"])
+def test_a_guided_request_never_changes_a_bystanders_tokens(impl, tokenizer, pattern):
+    """Three requests guided by `pattern` (sampled at temperature 1 from a random model) each end with a
+    full match, and a seeded bystander in the same batches gets exactly the tokens it gets beside three
+    unconstrained requests of the same lengths: the same batch shapes every step, so the same sums."""
+    guided = [{"max_tokens": 120, "guided_regex": pattern} for _ in range(3)]
+    bystander, outs = run_beside(impl, tokenizer, guided)
+    for i, out in enumerate(outs):
+        assert out.finish_reason == "stop", f"pattern={pattern!r} seed={i}: not complete in 120 tokens: {out.text!r}"
+        assert re.fullmatch(pattern, out.text), f"pattern={pattern!r} seed={i}: {out.text!r} does not match"
+    free = [{"max_tokens": len(out.token_ids), "ignore_eos": True} for out in outs]
+    alone, _ = run_beside(impl, tokenizer, free)
+    assert bystander == alone, (
+        f"pattern={pattern!r} seed=11: the bystander's tokens changed beside guided requests: {bystander} vs {alone}"
+    )

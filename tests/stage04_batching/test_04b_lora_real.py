@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from labkit.checkpoint import load_tokenizer, require_real_model
-from labkit.testing import hf_greedy, real_hf, real_labkit, relative_error
+from labkit.testing import assert_greedy_within, hf_greedy, real_hf, real_labkit, relative_error
 
 pytestmark = [pytest.mark.real, pytest.mark.slow]  # loading SmolLM2 alone takes seconds
 
@@ -93,7 +93,9 @@ def check(name, prompt, out, logits, peft_reference, what: str) -> list[int]:
     want_tokens, want_logits = reference(peft_reference, name, prompt, out.token_ids)
     err = relative_error(logits, want_logits)
     assert err < 1e-4, f"seed=0: {what}, adapter {name}: logits differ from peft's (relative error {err:.2e})"
-    assert out.token_ids == want_tokens, f"seed=0: {what}, adapter {name}: {out.token_ids}, peft greedy {want_tokens}"
+    # logits within 1e-4 of peft's largest part from peft's greedy tokens only at a near-tie of peft's logits
+    margin = 2e-4 * want_logits.abs().max().item()
+    assert_greedy_within(out.token_ids, want_tokens, want_logits, margin, f"seed=0: {what}, adapter {name}: peft")
     return want_tokens
 
 

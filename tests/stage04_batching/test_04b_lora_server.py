@@ -12,7 +12,7 @@ from stage04_lora_helpers import ADAPTER_KINDS, peft_merged, save_random_adapter
 
 from labkit.impl import load
 from labkit.serving import serving
-from labkit.testing import hf_greedy, labkit_from_hf, random_llama
+from labkit.testing import FP32_MARGIN, hf_greedy_variants, labkit_from_hf, random_llama
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,11 @@ def lora_server(tokenizer, tmp_path_factory):
         yield stack.enter_context(serving(app, timeout=20)), refs, registry
 
 
-def _reference(tokenizer, refs, adapter, prompt, n) -> str:
-    return tokenizer.decode(hf_greedy(refs[adapter], tokenizer.encode(prompt).ids, n))
+def _reference(tokenizer, refs, adapter, prompt, n) -> set[str]:
+    """HF's greedy texts with the adapter merged: its own, and those a server whose batches round otherwise
+    may give where HF's logits have a near-tie (within FP32_MARGIN; adapter b on PROMPT has one, 1.5e-4)."""
+    variants = hf_greedy_variants(refs[adapter], tokenizer.encode(prompt).ids, n, FP32_MARGIN)
+    return {tokenizer.decode(v) for v in variants}
 
 
 def test_models_lists_adapters_and_an_unknown_one_gets_404_naming_it(lora_server, tokenizer):
@@ -48,7 +51,7 @@ def test_models_lists_adapters_and_an_unknown_one_gets_404_naming_it(lora_server
     for model, adapter in (("test-model:a", "a"), ("b", "b"), ("test-model", None)):
         text = client.completions.create(model=model, **body).choices[0].text
         want = _reference(tokenizer, refs, adapter, PROMPT, 8)
-        assert text == want, f"seed=3: model {model!r} gave {text!r}; HF with adapter {adapter} merged: {want!r}"
+        assert text in want, f"seed=3: model {model!r} gave {text!r}; HF with adapter {adapter} merged: {want!r}"
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -70,5 +73,5 @@ def test_concurrent_requests_of_several_adapters_through_one_slot(lora_server, t
     for (model, prompt, n), text in zip(jobs, texts, strict=True):
         adapter = model.partition(":")[2] or None
         want = _reference(tokenizer, refs, adapter, prompt, n)
-        assert text == want, f"seed={seed}: {model} on {prompt!r} gave {text!r}; HF with its adapter merged: {want!r}"
+        assert text in want, f"seed={seed}: {model} on {prompt!r} gave {text!r}; HF with its adapter merged: {want!r}"
     assert registry.num_loads > loads_before, f"seed={seed}: with one slot, mixed traffic must load adapters"

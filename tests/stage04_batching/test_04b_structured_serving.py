@@ -221,3 +221,23 @@ def test_a_guided_regex_the_engine_cannot_compile_gets_400(server, pattern):
     r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
     assert r.status_code == 400, f"{pattern!r}: {r.status_code} {r.text}"
     assert r.json()["error"]["param"] == "guided_regex", r.json()
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+def test_a_library_behind_the_guided_backend_interface_gives_valid_json_too(impl, tokenizer, backend):
+    """`--guided-decoding-backend llguidance|xgrammar` (optional packages, `make guided`): the engine's guides
+    come from the library instead of the course's token index, and every sampled output is still valid."""
+    pytest.importorskip(backend)
+    LibraryBackend = impl("stage04_batching.guided_backends").LibraryBackend
+    engine_mod, sequence, structured = (impl(f"stage04_batching.{m}") for m in ("engine", "sequence", "structured"))
+    schema = SCHEMAS[0]
+    model = make_model(0, vocab_size=tokenizer.get_vocab_size())
+    engine = engine_mod.LLMEngine(model, tokenizer, num_blocks=96, max_num_seqs=8)
+    engine.guided_backend = LibraryBackend(backend, tokenizer, model.config.vocab_size, model.config.eos_token_id)
+    pattern = structured.schema_to_regex(schema)
+    params = [sequence.SamplingParams(max_tokens=160, temperature=1.0, seed=i, guided_regex=pattern) for i in range(6)]
+    for i, out in enumerate(engine.generate([PROMPT] * len(params), params)):
+        try:
+            jsonschema.validate(json.loads(out.text), schema)
+        except (ValueError, jsonschema.ValidationError) as e:
+            raise AssertionError(f"backend={backend} seed={i}: {out.text!r} is not valid: {e}") from None

@@ -9,7 +9,7 @@ import torch
 from stage06b_batch_helpers import blocks_match_tokens, close_pair
 from test_06_speculative_sampling import VOCAB, chi2_pvalue, exact_marginals, hf_probs
 
-from labkit.testing import random_tokens
+from labkit.testing import FP32_MARGIN, assert_greedy_within, greedy_logits, random_tokens
 
 pytestmark = pytest.mark.in_process("the engine holds the test's models and stores")
 
@@ -52,6 +52,12 @@ def expected_outputs(target, reqs, eos_id):
     return out
 
 
+def like_greedy(got, target, prompt, ref, what):
+    """A batch verifies k + 1 tokens of many sequences at once, summing in other shapes than one sequence's
+    plain decode: got is ref up to a near-tie of the target's logits (labkit.testing.assert_greedy_within)."""
+    assert_greedy_within(got, ref, lambda: greedy_logits(target, prompt, ref), FP32_MARGIN, what)
+
+
 ENGINE_CASES = [("gqa2-tied", 0, 4, 3), ("mqa-odd", 1, 3, 5), ("gqa4-3layers", 2, 16, 2)]
 
 
@@ -67,11 +73,9 @@ def test_engine_greedy_equals_target_greedy_with_sequences_joining_and_leaving(i
     plain = run_checked(
         eng.SpecBatchEngine(target, draft, k=0, block_size=block_size, eos_id=eos), reqs[:3], join, seed
     )
-    for i, (s, p, ref) in enumerate(zip(spec, plain, refs, strict=True)):
-        assert p.generated == ref, f"seed={seed} request {i}: the engine without speculation differs from greedy"
-        assert s.generated == ref, (
-            f"seed={seed} k={k} request {i}: speculative engine gave {s.generated}, the target's greedy is {ref}"
-        )
+    for i, (s, p, ref, (prompt, _)) in enumerate(zip(spec, plain, refs, reqs, strict=True)):
+        like_greedy(p.generated, target, prompt, ref, f"seed={seed} request {i}: the engine without speculation")
+        like_greedy(s.generated, target, prompt, ref, f"seed={seed} k={k} request {i}: the speculative engine")
     accepted, proposed = sum(s.accepted for s in spec), sum(s.proposed for s in spec)
     assert 0 < accepted < proposed, f"seed={seed}: accepted {accepted} of {proposed}: both outcomes must occur"
 
@@ -85,8 +89,10 @@ def test_engine_preemption_during_speculation_loses_nothing(impl, config, seed, 
     engine = eng.SpecBatchEngine(target, draft, k=k, block_size=block_size, num_blocks=-(-most // block_size) + 1)
     seqs = run_checked(engine, reqs, {}, seed)
     assert engine.preemptions > 0, f"seed={seed}: the pool was meant to be too small for the whole batch"
-    for i, (s, ref) in enumerate(zip(seqs, expected_outputs(target, reqs, None), strict=True)):
-        assert s.generated == ref, f"seed={seed} request {i}: after {engine.preemptions} preemptions got {s.generated}"
+    for i, (s, ref, (prompt, _)) in enumerate(zip(seqs, expected_outputs(target, reqs, None), reqs, strict=True)):
+        like_greedy(
+            s.generated, target, prompt, ref, f"seed={seed} request {i}: after {engine.preemptions} preemptions"
+        )
 
 
 def test_engine_adaptive_k_speculates_at_batch_1_and_stops_in_a_large_batch(impl):
@@ -101,11 +107,13 @@ def test_engine_adaptive_k_speculates_at_batch_1_and_stops_in_a_large_batch(impl
     refs = expected_outputs(target, reqs, None)
     alone = eng.SpecBatchEngine(target, draft, k=6, costs=costs)
     (solo,) = run_checked(alone, reqs[:1], {}, seed)
-    assert solo.proposed > 0 and solo.generated == refs[0], f"seed={seed}: at batch 1 speculation pays: {solo}"
+    assert solo.proposed > 0, f"seed={seed}: at batch 1 speculation pays: {solo}"
+    like_greedy(solo.generated, target, reqs[0][0], refs[0], f"seed={seed}: batch 1")
     crowd = run_checked(eng.SpecBatchEngine(target, draft, k=6, costs=costs), reqs, {}, seed)
     probes = [s.proposed for s in crowd]  # the first step drafts one token each, to measure acceptance
     assert max(probes) <= 1, f"seed={seed}: a batch of 8 on this cost model must not speculate, drafted {probes}"
-    assert [s.generated for s in crowd] == refs, f"seed={seed}: batch-8 output differs from greedy"
+    for i, (s, ref, (prompt, _)) in enumerate(zip(crowd, refs, reqs, strict=True)):
+        like_greedy(s.generated, target, prompt, ref, f"seed={seed}: batch 8, request {i}")
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import torch
 from stage06b_batch_helpers import blocks_match_tokens, close_pair
 
 from labkit import paged
-from labkit.testing import random_tokens
+from labkit.testing import FP32_MARGIN, assert_greedy_within, greedy_logits, random_tokens
 
 pytestmark = pytest.mark.in_process("the learner's code changes the test's paged store in place")
 
@@ -61,13 +61,11 @@ def test_verify_batch_greedy_accepts_each_sequences_own_count_in_one_forward(imp
         f"seed={seed}: verify_batch ran the target {len(calls)} times; the whole batch is ONE forward"
     )
     for i in range(4):
-        assert new[i] == expected[i], (
-            f"seed={seed} sequence {i} (k={ks[i]}, drafts {drafts[i]}): got {new[i]}, the target's greedy "
-            f"accepts {agree[i]} and then says {expected[i][-1]}: expected {expected[i]}"
-        )
-    problem = blocks_match_tokens(
-        store, {s: len(t) + len(e) - 1 for s, t, e in zip(ids, tokens, expected, strict=True)}
-    )
+        # one forward over the ragged batch sums in other shapes than greedy_ref: equal up to a near-tie
+        what = f"seed={seed} sequence {i} (k={ks[i]}, drafts {drafts[i]}): the target's greedy accepts {agree[i]}"
+        logits = greedy_logits(target, tokens[i], expected[i])
+        assert_greedy_within(new[i], expected[i], logits, FP32_MARGIN, what)
+    problem = blocks_match_tokens(store, {s: len(t) + len(n) - 1 for s, t, n in zip(ids, tokens, new, strict=True)})
     assert problem is None, f"seed={seed} block_size={block_size}: after verification, {problem}"
 
 
@@ -90,8 +88,10 @@ def test_verify_batch_keeps_the_accepted_kv_correct_for_the_next_step(impl, conf
         for i in range(4):
             out[i] += new[i]
     for i in range(4):
-        n = len(out[i])
-        assert out[i] == refs[i][:n], f"seed={seed} sequence {i}: {out[i]} after 4 steps, greedy says {refs[i][:n]}"
+        want, what = refs[i][: len(out[i])], f"seed={seed} sequence {i} after 4 steps: greedy"
+        assert_greedy_within(
+            out[i], want, lambda i=i, want=want: greedy_logits(target, tokens[i], want), FP32_MARGIN, what
+        )
 
 
 def warp_ref(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from labkit.distributed import RankFailed, launch
 from labkit.model import Config
-from labkit.testing import hf_greedy, random_llama, random_tokens
+from labkit.testing import FP32_MARGIN, assert_greedy_within, hf_greedy_logits, random_llama, random_tokens
 
 pytestmark = pytest.mark.dist
 WORLD_SIZES = [1, 2, 4]
@@ -213,7 +213,14 @@ def references():
             logits = hf(ids).logits
         state = {k: v.clone() for k, v in hf.state_dict().items()}
         cases[name] = (config, state, ids, prompt, 8)
-        expected[name] = {"logits": logits, "greedy": hf_greedy(hf, prompt, 8), "config": config, "ids": ids}
+        greedy, greedy_logits = hf_greedy_logits(hf, prompt, 8)
+        expected[name] = {
+            "logits": logits,
+            "greedy": greedy,
+            "greedy_logits": greedy_logits,
+            "config": config,
+            "ids": ids,
+        }
     return cases, expected
 
 
@@ -313,9 +320,9 @@ def test_tp_cached_decode_equals_hf_llama(group, name):
 def test_tp_greedy_generation_equals_hf(group, name):
     p, _, expected = group
     for rank, res in enumerate(_results(group, "model", name)):
-        assert res["greedy"] == expected[name]["greedy"], (
-            f"TP={p} rank {rank}, {name}, seed={SEED}: greedy tokens {res['greedy']} != HF {expected[name]['greedy']}"
-        )
+        # all-reduced partial sums round otherwise than HF's full matmuls: equal up to a near-tie of HF's logits
+        want, logits = expected[name]["greedy"], expected[name]["greedy_logits"]
+        assert_greedy_within(res["greedy"], want, logits, FP32_MARGIN, f"TP={p} rank {rank}, {name}, seed={SEED}: HF")
 
 
 def _local_kv_heads(c, p):

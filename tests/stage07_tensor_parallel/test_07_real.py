@@ -7,7 +7,7 @@ import torch.distributed as dist
 from labkit.checkpoint import load_tokenizer, read_config, require_real_model
 from labkit.distributed import launch
 from labkit.model import Config
-from labkit.testing import hf_greedy, real_hf
+from labkit.testing import REAL_MARGIN, assert_greedy_within, hf_greedy_logits, real_hf
 
 pytestmark = [pytest.mark.real, pytest.mark.dist, pytest.mark.slow]
 QUESTION = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
@@ -34,10 +34,10 @@ def tp_greedy(folder: str, prompt: list[int], n_new: int) -> list[int]:
 def test_tp3_gives_hf_greedy_tokens_on_the_real_model(impl):
     folder = require_real_model()
     prompt = load_tokenizer(folder).encode(QUESTION).ids
-    expected = hf_greedy(real_hf(), prompt, NEW_TOKENS)
+    expected, logits = hf_greedy_logits(real_hf(), prompt, NEW_TOKENS)
     per_rank = launch(tp_greedy, 3, str(folder), prompt, NEW_TOKENS, timeout=240)
     for rank, got in enumerate(per_rank):
-        assert got == expected, f"TP=3 rank {rank} on {QUESTION!r}: {got}, HF generate(do_sample=False) {expected}"
+        assert_greedy_within(got, expected, logits, REAL_MARGIN, f"TP=3 rank {rank} on {QUESTION!r}: HF generate")
 
 
 def test_tp2_is_refused_on_the_real_model(impl):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from labkit.model import Config, Llama, init_weights
+from labkit.testing import FP32_MARGIN, assert_greedy_within, greedy_logits
 
 SEEDS = [0, 1, 2]
 
@@ -163,7 +164,10 @@ def test_tp_llama_at_world_size_one_is_the_model(impl, name):
     with torch.no_grad():
         torch.testing.assert_close(model(ids), full(ids), atol=1e-5, rtol=1e-5, msg=f"{name}: logits differ")
     prompt = ids[0, :5].tolist()
-    assert model.generate(prompt, 8) == full.generate(prompt, 8), f"{name}: cached greedy decoding differs"
+    want = full.generate(prompt, 8)  # within 1e-5 of full's logits: equal up to a near-tie
+    assert_greedy_within(
+        model.generate(prompt, 8), want, greedy_logits(full, prompt, want), FP32_MARGIN, f"{name}: cached"
+    )
 
 
 def test_shard_is_a_view_not_a_copy(impl):

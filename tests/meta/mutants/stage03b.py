@@ -464,4 +464,29 @@ MUTANTS = [
         replace='"add_bos_token": True,',
         bug="tokenizer_config always adds BOS, whatever the file says",
     ),
+    # Where the file is silent (issue 47): a writer may omit keys that llama.cpp then fills with its defaults.
+    dict(
+        file="gguf_import.py",
+        find='"num_key_value_heads": key("attention.head_count_kv", n_head),',
+        replace='"num_key_value_heads": key("attention.head_count_kv"),',
+        bug="config_from_gguf leaves num_key_value_heads None when a multi-head file omits head_count_kv (llama.cpp: n_head)",
+    ),
+    dict(
+        file="gguf_import.py",
+        find='"rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base", 10_000.0)},',
+        replace='"rope_parameters": {"rope_type": "default", "rope_theta": key("rope.freq_base")},',
+        bug="config_from_gguf leaves rope_theta None when the file omits rope.freq_base (llama.cpp: 10,000)",
+    ),
+    dict(
+        file="gguf_import.py",
+        find='"vocab_size": key("vocab_size", len(metadata.get("tokenizer.ggml.tokens", ()))),',
+        replace='"vocab_size": len(metadata.get("tokenizer.ggml.tokens", ())),',
+        bug="config_from_gguf counts the token list even where llama.vocab_size says the embedding is padded",
+    ),
+    dict(
+        file="gguf_import.py",
+        find='"add_bos_token": metadata.get("tokenizer.ggml.add_bos_token", False),',
+        replace='"add_bos_token": metadata.get("tokenizer.ggml.add_bos_token", True),',
+        bug="tokenizer_config adds BOS when the file is silent (llama.cpp adds none for gpt-2 / smollm BPE vocabularies)",
+    ),
 ]

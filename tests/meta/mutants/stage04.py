@@ -563,4 +563,17 @@ MUTANTS = [
         ),
         bug="sample measures the top-p mass over the whole vocabulary, before top-k",
     ),
+    # The sampler at its bounds (issue 47): clients send top_k 100 or 1,000 whatever the vocabulary.
+    dict(
+        file="sampling.py",
+        find="kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]",
+        replace="kth = torch.topk(logits, params.top_k).values[-1]",
+        bug="sample assumes top_k is at most the vocabulary (topk raises for top_k 1,000 on a small one)",
+    ),
+    dict(
+        file="sampling.py",
+        find="kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]",
+        replace="kth = torch.topk(logits, min(params.top_k, logits.numel() - 1)).values[-1]",
+        bug="sample clamps a top_k past the vocabulary to V - 1, dropping the least likely token",
+    ),
 ]

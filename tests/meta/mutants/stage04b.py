@@ -1,4 +1,4 @@
-"""Stage 04 part 2 learner bugs (structured output, multi-LoRA), one edit each, planted in
+"""Stage 04 part 2 learner bugs (structured output, multi-LoRA, batch invariance), one edit each, planted in
 solutions/stage04_batching (see labkit/grading/mutants.py)."""
 
 MUTANTS = [
@@ -142,51 +142,63 @@ MUTANTS = [
     # structured.py: state_mask
     dict(
         file="structured.py",
-        find="    if state in dfa.accepting:\n        ids.append(eos_token_id), ends.append(state)\n",
+        find="    if state in dfa.accepting:\n        next_state[eos_token_id] = state\n",
         replace="",
         bug="state_mask never allows EOS (forgets the accepting states)",
     ),
     dict(
         file="structured.py",
-        find="    if state in dfa.accepting:\n        ids.append(eos_token_id), ends.append(state)\n",
-        replace="    ids.append(eos_token_id), ends.append(state)\n",
+        find="    if state in dfa.accepting:\n        next_state[eos_token_id] = state\n",
+        replace="    next_state[eos_token_id] = state\n",
         bug="state_mask allows EOS in every state, accepting or not",
     ),
     dict(
         file="structured.py",
-        find="ids.append(eos_token_id), ends.append(state)",
-        replace="ids.append(eos_token_id), ends.append(dfa.initial)",
+        find="        next_state[eos_token_id] = state",
+        replace="        next_state[eos_token_id] = dfa.initial",
         bug="state_mask sends EOS back to the initial state",
     ),
     dict(
         file="structured.py",
-        find="        step = dfa.transitions[at]",
-        replace="        step = dfa.transitions[state]",
+        find="        at[lo:hi] = table[at[trie.parent[lo:hi]] * 256 + trie.byte[lo:hi]]",
+        replace="        at[lo:hi] = table[state * 256 + trie.byte[lo:hi]]",
         bug="state_mask reads every byte of a token from the row's state (checks bytes one by one, not as a walk)",
     ),
     dict(
         file="structured.py",
-        find="                ids.append(t), ends.append(nxt)",
-        replace="                ids.append(t), ends.append(at)",
+        find="    next_state = at[trie.token_node]",
+        replace="    next_state = at[trie.parent[np.minimum(trie.token_node, len(trie.parent) - 1)]]",
         bug="state_mask records the state before the token's last byte as its next state",
     ),
     dict(
         file="structured.py",
-        find="            todo.append((child, nxt))",
-        replace="            todo.append((child, at))",
-        bug="state_mask walks a node's children from its parent's state",
+        find="        at[lo:hi] = table[at[trie.parent[lo:hi]] * 256 + trie.byte[lo:hi]]",
+        replace="        at[lo:hi] = table[at[lo:hi] * 256 + trie.byte[lo:hi]]",
+        bug="state_mask looks a node's byte up from the node's own (unset) state instead of its parent's",
     ),
     dict(
         file="structured.py",
-        find="            todo.append((child, nxt))\n",
-        replace="",
+        find="zip(trie.levels[1:-1], trie.levels[2:], strict=True)",
+        replace="zip(trie.levels[1:2], trie.levels[2:3], strict=True)",
         bug="state_mask stops at the trie's first level: no token of two or more bytes is ever allowed",
     ),
     dict(
         file="structured.py",
-        find="    next_state = torch.full((vocab_size,), -1, dtype=torch.int64)",
-        replace="    next_state = torch.zeros((vocab_size,), dtype=torch.int64)",
-        bug="state_mask leaves next_state 0 (a real state) for disallowed tokens instead of -1",
+        find="        if at[lo:hi].min() == dead:",
+        replace="        if at[lo:hi].max() == dead:",
+        bug="state_mask stops at the first level with any dead node, not one where every node is dead",
+    ),
+    dict(
+        file="structured.py",
+        find="    at = np.full(len(trie.parent) + 1, dead, dtype=np.int64)",
+        replace="    at = np.full(len(trie.parent) + 1, state, dtype=np.int64)",
+        bug="state_mask starts every node at the row's state: tokens without bytes are allowed, and nodes below a dead level keep it",
+    ),
+    dict(
+        file="structured.py",
+        find="    next_state[next_state == dead] = -1\n",
+        replace="",
+        bug="state_mask leaves the dead state's number (a real-looking state) for disallowed tokens instead of -1",
     ),
     # structured.py: mask_logits
     dict(
@@ -316,8 +328,8 @@ MUTANTS = [
     # issue #37: edges (test_04b_edges.py)
     dict(
         file="structured.py",
-        find="    todo = [(trie, state)]\n",
-        replace="    todo = [] if state in dfa.accepting else [(trie, state)]\n",
+        find="    at[0] = state\n",
+        replace="    at[0] = dead if state in dfa.accepting else state\n",
         bug="state_mask allows only EOS in an accepting state, even one the match can continue from",
     ),
     dict(
@@ -343,5 +355,85 @@ MUTANTS = [
         find="""        return f'"{STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'""",
         replace="""        return f'"{STRING_CHAR}{{{lo},{lo if hi is None else hi}}}"'""",
         bug="schema_to_regex reads a missing maxLength as minLength",
+    ),
+    # batch_invariant.py: linear_tiled
+    dict(
+        file="batch_invariant.py",
+        find="    tiles = [F.linear(padded[i : i + tile], weight, bias) for i in range(0, len(padded), tile)]\n    return torch.cat(tiles)[:N]",
+        replace="    return F.linear(x, weight, bias)",
+        bug="linear_tiled makes one call of N rows (the BLAS picks its kernel by N)",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="padded = F.pad(x, (0, 0, 0, -N % tile))",
+        replace="padded = x",
+        bug="linear_tiled leaves the last tile short instead of padding it to `tile` rows",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="padded = F.pad(x, (0, 0, 0, -N % tile))",
+        replace="padded = F.pad(x, (0, 0, -N % tile, 0))",
+        bug="linear_tiled pads at the front, so the rows it keeps are shifted",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="F.linear(padded[i : i + tile], weight, bias)",
+        replace="F.linear(padded[i : i + tile], weight)",
+        bug="linear_tiled drops the bias",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="    return torch.cat(tiles)[:N]",
+        replace="    return torch.cat(tiles)",
+        bug="linear_tiled returns the padding rows too",
+    ),
+    # batch_invariant.py: split_kv_attention
+    dict(
+        file="batch_invariant.py",
+        find="    for start in range(0, int(pos.max()) + 1, split):\n",
+        replace="    split *= len(query_lens)\n    for start in range(0, int(pos.max()) + 1, split):\n",
+        bug="split_kv_attention's split grows with the batch (the key ranges then depend on who else is in it)",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="    for start in range(0, int(pos.max()) + 1, split):\n",
+        replace="    split = max(split, int(query_lens.max()))\n    for start in range(0, int(pos.max()) + 1, split):\n",
+        bug="split_kv_attention widens the split to the longest chunk (the key ranges depend on the chunk size)",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="(keys > pos[rows, None])[:, None, None], -torch.inf",
+        replace="(keys >= pos[rows, None])[:, None, None], -torch.inf",
+        bug="split_kv_attention masks the query's own key (off by one in the causal mask)",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="        acc[rows] = acc[rows] * alpha + p @ v\n",
+        replace="        acc[rows] = acc[rows] + p @ v\n",
+        bug="split_kv_attention does not rescale the output when a later split raises the running max",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="        l[rows] = l[rows] * alpha + p.sum(-1, keepdim=True)\n",
+        replace="        l[rows] = l[rows] + p.sum(-1, keepdim=True)\n",
+        bug="split_kv_attention does not rescale the softmax denominator when the running max rises",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="qh = q.view(N, n_kv, H // n_kv, D) * D**-0.5",
+        replace="qh = q.view(N, n_kv, H // n_kv, D)",
+        bug="split_kv_attention forgets the 1/sqrt(head_dim) scale",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="qh = q.view(N, n_kv, H // n_kv, D) * D**-0.5",
+        replace="qh = q.view(N, H // n_kv, n_kv, D).transpose(1, 2) * D**-0.5",
+        bug="split_kv_attention maps query head h to kv head h % n_kv instead of h // n_rep",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="        k, v = k_slots[slots, heads], v_slots[slots, heads]\n",
+        replace="        k, v = k_slots[slots[:, 0]].transpose(1, 2), v_slots[slots, heads]\n",
+        bug="split_kv_attention hands the BLAS a strided view of the keys (one query alone takes another path)",
     ),
 ]

@@ -554,8 +554,8 @@ MUTANTS = [
     ),
     dict(
         file="fleet/kv_tiers.py",
-        find="            self.ram.move_to_end(page_hash)\n            self.stats[\"ram_hits\"] += 1\n",
-        replace="            self.stats[\"ram_hits\"] += 1\n",
+        find='            self.ram.move_to_end(page_hash)\n            self.stats["ram_hits"] += 1\n',
+        replace='            self.stats["ram_hits"] += 1\n',
         bug="get of a RAM page does not mark it as just used",
     ),
     dict(
@@ -566,14 +566,14 @@ MUTANTS = [
     ),
     dict(
         file="fleet/kv_tiers.py",
-        find="            self.stats[\"disk_hits\"] += 1\n            self.put(page_hash, k, v)\n",
-        replace="            self.stats[\"disk_hits\"] += 1\n",
+        find='            self.stats["disk_hits"] += 1\n            self.put(page_hash, k, v)\n',
+        replace='            self.stats["disk_hits"] += 1\n',
         bug="get of a disk page does not bring it back to RAM",
     ),
     dict(
         file="fleet/kv_tiers.py",
-        find="            path.unlink()\n            self.stats[\"disk_hits\"] += 1\n",
-        replace="            self.stats[\"disk_hits\"] += 1\n",
+        find='            path.unlink()\n            self.stats["disk_hits"] += 1\n',
+        replace='            self.stats["disk_hits"] += 1\n',
         bug="get leaves a page on disk after bringing it back (it is in two tiers at once)",
     ),
     # --- planner.py (lab5 §4) ---
@@ -618,5 +618,31 @@ MUTANTS = [
         find="for g in (prefill_goodput, decode_goodput))",
         replace="for g in (decode_goodput, prefill_goodput))",
         bug="min_instances sizes each pool by the other phase's goodput",
+    ),
+    # A fleet that changes, and t = 0 (issue 47).
+    dict(
+        file="fleet/loadgen.py",
+        find="gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)\n    return np.cumsum(gaps)",
+        replace="gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)\n"
+        "    return np.concatenate([[0.0], np.cumsum(gaps)[:-1]])",
+        bug="poisson_arrivals sends the first request at t = 0 instead of one exponential gap later",
+    ),
+    dict(
+        file="fleet/policies.py",
+        find="        if bound in names:\n            return names.index(bound)",
+        replace="        if bound is not None:\n            return names.index(bound)",
+        bug="session affinity fails a session whose worker died before remove_worker was called",
+    ),
+    dict(
+        file="fleet/policies.py",
+        find="            self.sessions[request.session_id] = worker.name",
+        replace="            self.sessions.setdefault(request.session_id, worker.name)",
+        bug="session affinity never rebinds a session that moved: it wanders once its worker is gone",
+    ),
+    dict(
+        file="fleet/policies.py",
+        find="        i = self.next % len(workers)\n        self.next += 1\n        return i",
+        replace="        i = self.next\n        self.next = (self.next + 1) % len(workers)\n        return i",
+        bug="round-robin keeps an index into the old list: past the end once a worker leaves",
     ),
 ]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from labkit.device import pin_threads
-from labkit.testing import LLAMA_CONFIGS, random_labkit_llama
+from labkit.testing import FP32_MARGIN, LLAMA_CONFIGS, assert_greedy_within, greedy_logits, random_labkit_llama
 
 pytestmark = pytest.mark.in_process("the engine holds the test's model and reads the learner's cache in place")
 
@@ -41,6 +41,13 @@ def models():
 def greedy(model, prompt: list[int], n: int) -> list[int]:
     """The reference: the model's own KV-cached greedy decoding, n tokens (EOS does not stop it)."""
     return model.generate(prompt, n, stop_at_eos=False)
+
+
+def like_greedy(got: list[int], model, prompt: list[int], n: int, what: str) -> None:
+    """got is greedy(model, prompt, n) up to a near-tie of the model's logits: a batch over pages sums in other
+    shapes than the contiguous cache (labkit.testing.assert_greedy_within)."""
+    want = greedy(model, prompt, n)
+    assert_greedy_within(got, want, lambda: greedy_logits(model, prompt, want), FP32_MARGIN, what)
 
 
 def shared_prefix_prompts(seed: int, n: int, system: int, turns: bool = False):
@@ -93,10 +100,8 @@ def test_greedy_with_the_radix_cache_equals_plain_greedy(impl, models, config, s
     )  # fmt: skip
     out = drive(engine, mod, reqs[:4], join_at={3: reqs[4:6], 7: reqs[6:]})
     for r in reqs:
-        want = greedy(model, r.prompt, r.max_tokens)
-        assert out[r.request_id] == want, (
-            f"seed={seed} {config} page_size={page_size}: {r.request_id} differs from plain greedy decoding"
-        )
+        what = f"seed={seed} {config} page_size={page_size}: {r.request_id} against plain greedy decoding"
+        like_greedy(out[r.request_id], model, r.prompt, r.max_tokens, what)
     assert engine.stats["cached_tokens"] > 0, f"seed={seed}: nothing was served from the cache"
     assert engine.stats["slots_in_use"] == 0, f"seed={seed}: {engine.stats['slots_in_use']} slots still held"
     assert removed or num_slots > 1000, f"seed={seed}: the small pool never evicted (the case tests nothing extra)"
@@ -157,9 +162,9 @@ def test_every_slot_comes_back_after_requests_finish_or_are_aborted(impl, models
     aborted = set(aborts.values())
     for r in reqs:  # the others are unharmed by the aborts around them
         if r.request_id not in aborted:
-            assert out[r.request_id] == greedy(model, r.prompt, r.max_tokens), f"seed={seed}: {r.request_id} differs"
+            like_greedy(out[r.request_id], model, r.prompt, r.max_tokens, f"seed={seed}: {r.request_id}")
     again = mod.EngineRequest("again", prompts[-1], 3)  # the cache left behind still serves correct KV
-    assert drive(engine, mod, [again])["again"] == greedy(model, again.prompt, 3), f"seed={seed}: stale cached KV"
+    like_greedy(drive(engine, mod, [again])["again"], model, again.prompt, 3, f"seed={seed}: stale cached KV?")
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -236,7 +241,7 @@ def test_bad_requests_are_refused_while_serving(impl, models):
     with pytest.raises(ValueError, match="prefix_cache"):
         mod.ReplicaEngine(model, prefix_cache="lru")
     out = drive(engine, mod, [])
-    assert first + out["good"] == greedy(model, good.prompt, 6), "the running request was disturbed by refused ones"
+    like_greedy(first + out["good"], model, good.prompt, 6, "the running request was disturbed by refused ones")
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -277,6 +282,7 @@ def test_a_prompt_is_cached_when_its_prefill_ends_not_when_it_finishes(impl, mod
         f"{mode} page_size={page_size}: computed {s['prefill_tokens_computed']} prefill tokens; the shared "
         f"{hit} should be computed once (b joined while a was decoding)"
     )
-    assert out["a"] == greedy(model, first, 12) and out["b"] == greedy(model, second, 5), f"{mode}: outputs differ"
+    like_greedy(out["a"], model, first, 12, f"{mode}: a")
+    like_greedy(out["b"], model, second, 5, f"{mode}: b")
     assert s["slots_in_use"] == 0, f"{mode} page_size={page_size}: {s['slots_in_use']} slots still held"
     assert s["slots_cached"] + len(engine.store.free_blocks) == 512, f"{mode} page_size={page_size}: slots leaked"

@@ -62,7 +62,9 @@ def streamed(fleet, path, body) -> str:
 
 def set_policy(fleet, impl, name, **options):
     router = fleet.router
-    router.policy = impl("stage07_tensor_parallel.fleet.router").make_policy(name, router.index, router.page_size, **options)
+    router.policy = impl("stage07_tensor_parallel.fleet.router").make_policy(
+        name, router.index, router.page_size, **options
+    )
 
 
 def test_greedy_through_the_router_equals_the_model(fleet, impl, model, tokenizer):

@@ -13,7 +13,7 @@ from labkit.device import pin_threads
 from labkit.distributed import launch
 from labkit.impl import load
 from labkit.paged import PagedKVStore
-from labkit.testing import LLAMA_CONFIGS, random_labkit_llama
+from labkit.testing import FP32_MARGIN, LLAMA_CONFIGS, assert_greedy_within, greedy_logits, random_labkit_llama
 
 ENGINE = "stage07_tensor_parallel.fleet.replica_engine"
 CONNECTOR = "stage07_tensor_parallel.fleet.kv_connector"
@@ -99,7 +99,9 @@ def test_save_then_load_is_bit_exact_and_serves_from_the_cache(impl, mode, page_
         assert computed == len(p) - (len(p) - 1) // page_size * page_size, (
             f"{mode} page_size={page_size} p{i}: decode computed {computed} of {len(p)} prompt tokens after the load"
         )
-        assert out == model.generate(p, 5, stop_at_eos=False), f"{mode} p{i}: output after load_kv differs"
+        want = model.generate(p, 5, stop_at_eos=False)
+        what = f"{mode} p{i}: output after load_kv, plain greedy"
+        assert_greedy_within(out, want, greedy_logits(model, p, want), FP32_MARGIN, what)
         assert (leak := no_leak(decode, 256)) is None, f"{mode} p{i}: {leak}"
         assert (leak := no_leak(prefill, 256)) is None, f"{mode} p{i}: after save_kv, the producer's {leak}"
 
@@ -116,7 +118,9 @@ def test_load_kv_evicts_to_make_room_and_refuses_what_cannot_fit(impl):
         run(source, eng, eng.EngineRequest("s", p, 1))
     assert con.load_kv(small, con.save_kv(source, a)) > 0
     assert con.load_kv(small, con.save_kv(source, b)) > 0, "load_kv did not evict the unused cache to make room"
-    assert run(small, eng, eng.EngineRequest("b", b, 4)) == model.generate(b, 4, stop_at_eos=False)
+    want = model.generate(b, 4, stop_at_eos=False)  # paged against contiguous: up to a near-tie
+    got = run(small, eng, eng.EngineRequest("b", b, 4))
+    assert_greedy_within(got, want, greedy_logits(model, b, want), FP32_MARGIN, "after an evicting load_kv")
     with pytest.raises(ValueError, match=r"\d"):
         con.load_kv(small, con.save_kv(source, long))
     assert (leak := no_leak(small, 40)) is None, leak
@@ -201,7 +205,9 @@ def test_prefill_decode_over_gloo_equals_colocated_greedy_and_moves_the_formulas
             f"seed={SEED} prompt {i}: decode loaded {got['loaded']} tokens and computed {got['computed']} "
             f"(the whole prompt should arrive; only its last token is computed again)"
         )
-        assert got["out"] == model.generate(prompt, 6, stop_at_eos=False), f"seed={SEED} prompt {i}: output differs"
+        want = model.generate(prompt, 6, stop_at_eos=False)  # the decode rank batches over pages: up to a near-tie
+        logits = greedy_logits(model, prompt, want)
+        assert_greedy_within(got["out"], want, logits, FP32_MARGIN, f"seed={SEED} prompt {i}: colocated greedy")
 
 
 @pytest.mark.dist
@@ -213,7 +219,9 @@ def test_a_failed_transfer_falls_back_to_recompute(impl, pd_run, failure):
     prompt, got = cases[i][0], received[i]
     assert got["error"], f"seed={SEED} {failure}: recv_kv raised no TransferError"
     assert got["computed"] == len(prompt), f"seed={SEED} {failure}: decode computed {got['computed']} of {len(prompt)}"
-    assert got["out"] == model.generate(prompt, 6, stop_at_eos=False), f"seed={SEED} {failure}: output differs"
+    want = model.generate(prompt, 6, stop_at_eos=False)
+    what = f"seed={SEED} {failure}: output after the fallback"
+    assert_greedy_within(got["out"], want, greedy_logits(model, prompt, want), FP32_MARGIN, what)
     assert received[-1] == (0, 512), (
         f"seed={SEED}: decode's slots after every request (in use, cached + free): {received[-1]}"
     )

@@ -152,3 +152,30 @@ def test_trace_round_trips_through_json_lines_and_rebuilds_its_prefixes(impl, tm
     (tmp_path / "bad.jsonl").write_text('{"timestamp": 0, "input_length": 3}\n')
     with pytest.raises(ValueError, match="hash_ids"):
         loadgen.read_trace(tmp_path / "bad.jsonl")
+
+
+@pytest.mark.parametrize("rate", [0.5, 8.0])
+def test_the_first_arrival_comes_after_an_exponential_gap_not_at_time_zero(impl, rate):
+    """A process that starts at 0 has its first request one gap later: over 4,000 seeds the first arrival is
+    never at 0 and has the gap's mean and spread (exponential for Poisson, gamma for gamma_arrivals); asking
+    for no request gives no time. A trace that fires its first request at t = 0 overstates the rate at start."""
+    loadgen = impl(MODULE)
+    seeds = range(4000)
+    for name, make, cv2 in (
+        ("poisson_arrivals", lambda seed: loadgen.poisson_arrivals(rate, 3, seed), 1.0),
+        ("gamma_arrivals", lambda seed: loadgen.gamma_arrivals(rate, 4.0, 3, seed), 0.25),
+    ):
+        first = np.array([make(seed)[0] for seed in seeds])
+        where = f"{name}(rate={rate}), seeds 0..3999"
+        assert (first > 0).all(), f"{where}: a first arrival at t = 0 (seed={int(np.argmin(first))})"
+        tol = 6 * math.sqrt(cv2 / len(first))
+        assert abs(first.mean() * rate - 1) < tol, (
+            f"{where}: mean first arrival {first.mean():.4g}, 1 / rate {1 / rate:.4g}"
+        )
+        got_cv2 = first.var() / first.mean() ** 2
+        assert abs(got_cv2 / cv2 - 1) < 6 * math.sqrt(26 / len(first)) + tol, (
+            f"{where}: CV² {got_cv2:.3f}, expected {cv2}"
+        )
+    assert len(loadgen.poisson_arrivals(rate, 0, 1)) == 0 and len(loadgen.gamma_arrivals(rate, 2.0, 0, 1)) == 0, (
+        f"rate={rate}: n = 0 requests have no arrival times"
+    )

@@ -238,3 +238,53 @@ def test_balance_under_a_skewed_workload(impl, name):
         mean_peak = sum(peak) / len(peak)
         assert min(served) >= 0.15 * sum(served), f"seed={seed}, {name}: requests per worker {served}"
         assert max(peak) <= 2 * mean_peak + 4, f"seed={seed}, {name}: peak outstanding per worker {peak}"
+
+
+@pytest.mark.parametrize(
+    "name", ["round_robin", "least_outstanding", "power_of_two", "session_affinity", "cache_aware"]
+)
+def test_every_policy_while_replicas_join_leave_and_die(impl, name):
+    """A fleet that changes mid-trace: replicas join, one leaves (remove_worker), one dies (it only drops out
+    of the list the router passes; remove_worker comes later). Every choice is a worker of the current list,
+    a session whose worker is gone moves (never an error) and sticks to its new worker, round-robin keeps
+    cycling over whoever is there, and the first request (t = 0, nothing known yet) is routed like any other."""
+    mod = impl(POLICIES)
+    policy = {
+        "round_robin": lambda: mod.RoundRobin(),
+        "least_outstanding": lambda: mod.LeastOutstanding(),
+        "power_of_two": lambda: mod.PowerOfTwo(seed=5),
+        "session_affinity": lambda: mod.SessionAffinity(),
+        "cache_aware": lambda: mod.CacheAware(balance_abs_threshold=4, balance_rel_threshold=1.5),
+    }[name]()
+    rng = random.Random(11)
+    ws = [mod.WorkerState("w0")]
+    names = itertools.count(1)
+    bound: dict[str, str] = {}  # session -> the worker its last turn went to
+    prev = 0
+    for t in range(120):
+        if t in (5, 20, 50):  # a replica joins
+            ws.append(mod.WorkerState(f"w{next(names)}"))
+        if t == 35:  # one leaves: the router tells the policy
+            gone = ws.pop(1)
+            policy.remove_worker(gone.name)
+        if t == 70:  # one dies: it drops out of the list now, and remove_worker comes only later
+            dead = ws.pop(0)
+        if t == 90:
+            policy.remove_worker(dead.name)
+        session = f"s{rng.randrange(6)}"
+        r = request(mod, [rng.randrange(50) for _ in range(rng.randint(1, 9))], session)
+        current = [w.name for w in ws]
+        i = policy.choose(r, ws)
+        assert isinstance(i, int) and 0 <= i < len(ws), f"t={t}, {name}: chose {i} of {len(ws)} workers {current}"
+        if name == "round_robin" and t > 70:  # the list no longer changes: one step along it per request
+            assert i == (prev + 1) % len(ws), f"t={t}: round-robin went from {current[prev]} to {current[i]}"
+        if name == "session_affinity" and bound.get(session) in current:
+            assert ws[i].name == bound[session], f"t={t}: {session} left {bound[session]} for {ws[i].name}"
+        policy.on_dispatch(r, ws[i])
+        ws[i].outstanding += 1
+        bound[session], prev = ws[i].name, i
+        if rng.random() < 0.5:  # a request elsewhere finishes
+            done = rng.choice(ws)
+            if done.outstanding:
+                done.outstanding -= 1
+                policy.on_finish(request(mod, [1]), done)

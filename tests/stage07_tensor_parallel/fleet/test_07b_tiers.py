@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from labkit.device import pin_threads
-from labkit.testing import LLAMA_CONFIGS, random_labkit_llama
+from labkit.testing import FP32_MARGIN, LLAMA_CONFIGS, assert_greedy_within, greedy_logits, random_labkit_llama
 
 pytestmark = pytest.mark.in_process("the engine holds the test's model and calls the learner's store in place")
 
@@ -132,9 +132,12 @@ def test_pages_come_back_from_the_tiers_bit_equal_to_recomputed_kv(impl, tmp_pat
     loaded = engine.stats["tier_loaded_tokens"] - before["tier_loaded_tokens"]
     computed = engine.stats["prefill_tokens_computed"] - before["prefill_tokens_computed"]
     want = (len(prompts[0]) - 1) // P * P
-    for i, p in enumerate(prompts):
-        assert first[i] == model.generate(p, 3, stop_at_eos=False), f"{mode}: r{i} differs from plain greedy"
-    assert again == first[0], f"{mode} corrupt={corrupt}: the repeated prompt's output changed"
+    # pages batch otherwise than the contiguous cache: equal to plain greedy up to a near-tie of its logits
+    plain = [model.generate(p, 3, stop_at_eos=False) for p in prompts]
+    for i, (p, ref) in enumerate(zip(prompts, plain, strict=True)):
+        assert_greedy_within(first[i], ref, greedy_logits(model, p, ref), FP32_MARGIN, f"{mode}: r{i}, plain greedy")
+    what = f"{mode} corrupt={corrupt}: the repeated prompt, plain greedy"
+    assert_greedy_within(again, plain[0], greedy_logits(model, prompts[0], plain[0]), FP32_MARGIN, what)
     if corrupt:
         assert loaded == 0 and computed == len(prompts[0]), (
             f"corrupt tier: loaded {loaded}, computed {computed}; every page should have been recomputed"
