@@ -44,6 +44,11 @@ def stage_folder(path: Path) -> str | None:
     return parts[0] if len(parts) > 1 and parts[0].startswith("stage") else None
 
 
+def module_file(folder: str, module: str) -> Path:
+    """The file of a stage module: "kv_cache" -> stage02_kv_cache/kv_cache.py, "fleet.router" -> .../fleet/router.py."""
+    return ROOT.joinpath(folder, *module.split(".")).with_suffix(".py")
+
+
 def mark_name(notebook: int, k: int) -> str:
     """s3 for lab.ipynb §3, lab2_s1 for lab2.ipynb §1."""
     return f"s{k}" if notebook == 1 else f"lab{notebook}_s{k}"
@@ -60,7 +65,7 @@ def learner_modules(folder: str, name: str) -> set[str]:
     """The learner modules a stage module is or imports (`from .paged_attention import ...`), one level deep."""
     if name in stage_todos(folder):
         return {name}
-    path = todo.module_path(ROOT / folder, name)
+    path = module_file(folder, name)
     tree = ast.parse(path.read_text()) if path.is_file() else ast.Module([], [])
     package = name.split(".")[:-1]  # "fleet" for fleet.launch: its relative imports are fleet.x
     imported = {
@@ -163,7 +168,7 @@ def called_todos(item) -> list[tuple[str, tuple[int, int]]]:
 @cache
 def given_calls(folder: str, module: str) -> dict[str, set[str]]:
     """Given functions of a learner module -> the names of the module's TODOs each one mentions."""
-    tree = ast.parse(todo.module_path(ROOT / folder, module).read_text())
+    tree = ast.parse(module_file(folder, module).read_text())
     todos = {name.split(".")[-1] for name, _ in stage_todos(folder)[module]}
     return {
         n.name: _names(n) & todos
