@@ -26,6 +26,7 @@ healthy replica can start a new request within its TTFT SLO. Both are off unless
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -44,11 +45,22 @@ from labkit.serving import until_disconnected
 
 from .api import ChatCompletion, Completion, chat_template, error, plain_chat, sse
 from .books import Flight, Lost
+from .kv_index import KVAware, KVIndex
 from .messages import Abort, Error, Token
-from .router_state import POLICIES, RouterState, make_policy
+from .policies import CacheAware, LeastOutstanding, Policy, PowerOfTwo, RoundRobin, SessionAffinity
+from .router_state import RouterState
 
-__all__ = ["POLICIES", "chat_template", "create_app", "make_policy"]  # make_policy: the tests build policies
 log = logging.getLogger(__name__)
+POLICIES = {p.name: p for p in (RoundRobin, LeastOutstanding, PowerOfTwo, SessionAffinity, CacheAware, KVAware)}
+
+
+def make_policy(name: str, index: KVIndex, page_size: int, **options) -> Policy:
+    """A policy by name (round_robin, least_outstanding, power_of_two, session_affinity, cache_aware, kv_aware)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; pick one of {', '.join(POLICIES)}")
+    if name == "kv_aware":
+        return KVAware(index, page_size, **options)
+    return POLICIES[name](**options)
 
 
 def unfinished(e: NotImplementedError) -> JSONResponse:
@@ -269,7 +281,8 @@ def create_app(
     a replica is dead and its requests move.
     """
     ctx = zmq.asyncio.Context.instance()
-    fleet = RouterState(replicas, policy, policy_options, drop_events, seed, ctx, breaker, admission, dead_after)
+    policy_for = functools.partial(make_policy, policy, **(policy_options or {}))  # (index, page_size) -> policy
+    fleet = RouterState(replicas, policy_for, drop_events, seed, ctx, breaker, admission, dead_after)
     front = Front(fleet, tokenizer, render_chat or plain_chat, eos_token_id, model_name, request_timeout)
 
     @contextlib.asynccontextmanager
