@@ -7,9 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class Sampling(BaseModel):
@@ -67,3 +68,17 @@ def chat_template(folder) -> Callable[[list[dict]], str]:
 
 def sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
+
+
+async def read_body(request: Request, schema):
+    """The request body as `schema`, or the 400 that names the field (or says the JSON is bad)."""
+    try:
+        return schema.model_validate(json.loads(await request.body()))
+    except ValidationError as e:
+        first = e.errors()[0]
+        name = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("str", "list[")))
+        if first["type"] == "extra_forbidden":
+            return error(400, f"{name}: this router does not implement this field; leave it out", name)
+        return error(400, f"{name}: {first['msg']}", name or None)
+    except ValueError as e:
+        return error(400, f"the body is not valid JSON: {e}")

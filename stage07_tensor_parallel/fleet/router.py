@@ -15,19 +15,15 @@ session id that SessionAffinity keys on. A bad request gets a 400 naming the fie
 disconnects aborts its request on the replica (its slots go back at once); on shutdown uvicorn lets every
 accepted request finish, and any still open after that gets an error, so none is dropped silently.
 
-Faults (lab3.ipynb §4-§5). A replica that falls silent for `dead_after` seconds is dead and its requests
-move (router_state.py); with no healthy replica left the client gets an error, never a hang. `breaker` (a
-factory of breaker.CircuitBreaker) gives each replica a circuit breaker fed by its failures (timeouts,
-replica errors, death); a replica whose breaker is not closed is out of the candidates, and a stats request
-is the half-open probe. `admission` (admission.AdmissionControl) answers 429 with Retry-After when no
-healthy replica can start a new request within its TTFT SLO. Both are off unless given.
+Faults (lab3.ipynb §4-§5): a replica that falls silent is dead and its requests move (migration.py);
+`breaker` (a factory of breaker.CircuitBreaker) and `admission` (admission.AdmissionControl, a 429 with
+Retry-After when no replica can start a request within its TTFT SLO) are off unless given.
 """
 
 import argparse
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import math
 import time
@@ -39,11 +35,10 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
-from pydantic import ValidationError
 
 from labkit.serving import until_disconnected
 
-from .api import ChatCompletion, Completion, chat_template, error, plain_chat, sse
+from .api import ChatCompletion, Completion, chat_template, error, plain_chat, read_body, sse
 from .books import Flight, Lost
 from .kv_index import KVAware, KVIndex
 from .messages import Abort, Error, Token
@@ -76,18 +71,6 @@ class Front:
     def __init__(self, fleet: RouterState, tokenizer, render_chat, eos_token_id, model_name, request_timeout):
         self.fleet, self.tokenizer, self.render_chat = fleet, tokenizer, render_chat
         self.eos_token_id, self.model_name, self.request_timeout = eos_token_id, model_name, request_timeout
-
-    async def read_body(self, request: Request, schema):
-        try:
-            return schema.model_validate(json.loads(await request.body()))
-        except ValidationError as e:
-            first = e.errors()[0]
-            name = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("str", "list[")))
-            if first["type"] == "extra_forbidden":
-                return error(400, f"{name}: this router does not implement this field; leave it out", name)
-            return error(400, f"{name}: {first['msg']}", name or None)
-        except ValueError as e:
-            return error(400, f"the body is not valid JSON: {e}")
 
     def token_ids(self, req, chat: bool) -> list[int] | Response:
         """The prompt's token ids, or the 400 that says why there are none."""
@@ -135,7 +118,7 @@ class Front:
         return None
 
     async def create(self, request: Request, chat: bool) -> Response:
-        req = await self.read_body(request, ChatCompletion if chat else Completion)
+        req = await read_body(request, ChatCompletion if chat else Completion)
         if isinstance(req, Response):
             return req
         ids = self.token_ids(req, chat)
