@@ -8,14 +8,14 @@ p % block_size. Shortening a sequence (rejected drafts) frees the blocks it no l
 "blocks in use" is always exactly what the cached tokens need: a leak is checkable.
 
 This is deliberately the plain version: no prefix sharing, no scheduling, no eviction policy
-(stage 04 is where those are built). forward() gathers each sequence's K/V into a padded
-(B, n_kv, L, D) tensor and masks the padding, which costs a copy a fused paged kernel avoids.
+(stage 04 is where those are built). forward() packs the batch's new tokens into one matrix for the
+linear layers and gathers each sequence's K/V from its slots for attention, a copy a fused paged kernel
+avoids.
 """
 
 import torch
-import torch.nn.functional as F
 
-from .model import Llama, apply_rope, refuse_extras, repeat_kv, rope_cos_sin
+from .model import Llama, apply_rope, grouped_attention, refuse_extras, rope_cos_sin
 
 
 class OutOfBlocks(RuntimeError):
@@ -90,6 +90,10 @@ def forward(model: Llama, store: PagedKVStore, seq_ids: list[int], chunks: list[
     chunks[i]: a list of T_i >= 1 token ids (T_i may differ: a prefill, one decode token, drafts)
     returns    [logits (T_i, vocab) float32 for each sequence], equal to model(whole sequence)'s last T_i rows.
     Raises OutOfBlocks before computing anything if the pool cannot hold the new positions.
+
+    The batch is packed, not padded: its N = sum(T_i) new tokens go through every linear layer as one
+    (N, hidden) matrix, so a 512-token prefill chunk beside 15 decodes costs 527 rows, not 16 x 512.
+    Attention is the only per-sequence part (batch_attention).
     """
     if len(seq_ids) != len(chunks) or any(len(t) == 0 for t in chunks):
         raise ValueError("forward needs one non-empty chunk of token ids per sequence id")
@@ -102,46 +106,79 @@ def forward(model: Llama, store: PagedKVStore, seq_ids: list[int], chunks: list[
     for sid, chunk in zip(seq_ids, chunks, strict=True):
         store.grow(sid, store.length(sid) + len(chunk))
     c, dev = model.config, store.k[0].device
-    B, T = len(chunks), max(len(t) for t in chunks)
-    starts = torch.tensor([store.length(s) for s in seq_ids], device=dev)  # (B,) cached before this pass
-    sizes = torch.tensor([len(t) for t in chunks], device=dev)
-    L = int((starts + sizes).max())
-    ids = torch.tensor([t + [0] * (T - len(t)) for t in chunks], device=dev)  # (B, T), padded with token 0
-    positions = starts[:, None] + torch.arange(T, device=dev)  # (B, T)
-    real = torch.arange(T, device=dev) < sizes[:, None]  # (B, T): False on padding
-    # (B, max blocks) block tables padded with block 0; a slot is table[p // block_size] * block_size + p % block_size
-    tables = [store.block_tables[s] for s in seq_ids]
-    width = max(len(t) for t in tables)
-    tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)
-    bs = store.block_size
-    query_pos = positions.clamp(max=width * bs - 1)  # padded queries may point past the table; they are not written
-    write_slots = (tables.gather(1, query_pos // bs) * bs + query_pos % bs)[real]  # (sum T_i,)
-    key_pos = torch.arange(L, device=dev)
-    read_slots = tables[:, key_pos // bs] * bs + key_pos % bs  # (B, L): past a sequence's end, masked
-    mask = key_pos[None, None, :] <= positions[:, :, None]  # (B, T, L) causal; padded keys lie beyond every real query
-    mask[:, :, 0] = True  # a padded query row would see nothing (NaN); it reads key 0 and is dropped
-    mask = mask[:, None]  # (B, 1, T, L), broadcast over heads
+    starts = [store.length(s) for s in seq_ids]  # cached before this pass
+    sizes = [len(t) for t in chunks]
+    N = sum(sizes)
+    ids = torch.tensor([[t for chunk in chunks for t in chunk]], device=dev)  # (1, N): every new token, packed
+    positions = torch.cat([torch.arange(a, a + n, device=dev) for a, n in zip(starts, sizes, strict=True)])[None]
+    reads = [slots(store, s, a + n) for s, a, n in zip(seq_ids, starts, sizes, strict=True)]  # each (start + T_i,)
+    write_slots = torch.cat([r[a:] for r, a in zip(reads, starts, strict=True)])  # (N,): the new positions' slots
+    attention = batch_attention(store, reads, starts, sizes)
 
-    x = model.model.embed_tokens(ids)
+    x = model.model.embed_tokens(ids)  # (1, N, hidden)
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
-    cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, D)
+    cos, sin = cos[:, None], sin[:, None]  # (1, 1, N, D)
     for layer, block in enumerate(model.model.layers):
         attn = block.self_attn
         h = block.input_layernorm(x)
-        q = attn.q_proj(h).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = attn.v_proj(h).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q = attn.q_proj(h).view(1, N, c.num_attention_heads, c.head_dim).transpose(1, 2)  # (1, H, N, D)
+        k = attn.k_proj(h).view(1, N, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = attn.v_proj(h).view(1, N, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         q, k = attn.norm_qk(q, k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        store.k[layer][write_slots] = k.transpose(1, 2)[real]  # (sum T_i, n_kv, D), padding not written
-        store.v[layer][write_slots] = v.transpose(1, 2)[real]
-        keys = store.k[layer][read_slots].transpose(1, 2)  # (B, n_kv, L, D)
-        values = store.v[layer][read_slots].transpose(1, 2)
-        n_rep = c.num_attention_heads // c.num_key_value_heads
-        y = F.scaled_dot_product_attention(q, repeat_kv(keys, n_rep), repeat_kv(values, n_rep), attn_mask=mask)
-        x = x + attn.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        store.k[layer][write_slots] = k[0].transpose(0, 1)  # (N, n_kv, D)
+        store.v[layer][write_slots] = v[0].transpose(0, 1)
+        y = attention(layer, q)  # (1, H, N, D)
+        x = x + attn.o_proj(y.transpose(1, 2).reshape(1, N, -1))
         x = x + block.mlp(block.post_attention_layernorm(x))
-    for s, e in zip(seq_ids, (starts + sizes).tolist(), strict=True):
-        store.lengths[s] = e
-    logits = model.lm_head(model.model.norm(x)).float()
-    return [logits[i, : len(chunk)] for i, chunk in enumerate(chunks)]
+    for s, a, n in zip(seq_ids, starts, sizes, strict=True):
+        store.lengths[s] = a + n
+    logits = model.lm_head(model.model.norm(x))[0].float()  # (N, vocab)
+    return list(logits.split(sizes))
+
+
+def slots(store: PagedKVStore, seq_id: int, length: int) -> torch.Tensor:
+    """(length,) the slots of positions [0, length) of a sequence, from its block table."""
+    table = torch.tensor(store.block_tables[seq_id], device=store.k[0].device)
+    p = torch.arange(length, device=table.device)
+    return table[p // store.block_size] * store.block_size + p % store.block_size
+
+
+def batch_attention(store: PagedKVStore, reads: list[torch.Tensor], starts: list[int], sizes: list[int]):
+    """attention(layer, q) -> y for forward: q, y (1, H, N, D) with the sequences' tokens packed in order.
+
+    A sequence of several new tokens (a prefill chunk, drafts) attends alone, causally, over its own slots.
+    The one-token sequences (decodes) attend together, their keys gathered into one (B, n_kv, L, D) tensor
+    padded to the longest context and masked: one call for all of them instead of one each.
+    """
+    dev = store.k[0].device
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    one = [i for i, n in enumerate(sizes) if n == 1]
+    rows = torch.tensor([offsets[i] for i in one], device=dev)  # the decodes' rows among the N
+    width = max((len(reads[i]) for i in one), default=0)
+    padded = torch.zeros(len(one), width, dtype=torch.long, device=dev)  # padding reads slot 0, masked out
+    for j, i in enumerate(one):
+        padded[j, : len(reads[i])] = reads[i]
+    key_pad = torch.arange(width, device=dev) < torch.tensor([len(reads[i]) for i in one], device=dev)[:, None]
+    key_pad = key_pad[:, None, None, :]  # (B, 1, 1, L)
+    causal = {  # query t of a chunk sits at position start + t and sees keys [0, start + t]
+        i: torch.arange(a + n, device=dev)[None, :] <= torch.arange(a, a + n, device=dev)[:, None]
+        for i, (a, n) in enumerate(zip(starts, sizes, strict=True))
+        if n > 1
+    }
+
+    def attention(layer: int, q: torch.Tensor) -> torch.Tensor:
+        k, v = store.k[layer], store.v[layer]
+        y = torch.empty_like(q)
+        if one:
+            keys, values = (t[padded].permute(0, 2, 1, 3) for t in (k, v))  # (B, n_kv, L, D)
+            y[0, :, rows] = grouped_attention(q[0, :, rows, None].transpose(0, 1), keys, values, key_pad)[
+                :, :, 0
+            ].transpose(0, 1)
+        for i, mask in causal.items():
+            o, n = offsets[i], sizes[i]
+            keys, values = (t[reads[i]].transpose(0, 1)[None] for t in (k, v))  # (1, n_kv, L_i, D)
+            y[:, :, o : o + n] = grouped_attention(q[:, :, o : o + n], keys, values, mask)
+        return y
+
+    return attention

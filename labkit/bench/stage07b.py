@@ -4,7 +4,7 @@ step costs measured on this machine; the knee per policy and its cost per millio
     make bench STAGE=07b
 
 Measured here: the cost of one ReplicaEngine step on the tiny target (one thread), as a function of the
-batch's padded shape (simulator.measure_step_costs, StepCost.fit). Simulated: everything else. Two cores
+batch's packed shape (simulator.measure_step_costs, StepCost.fit). Simulated: everything else. Two cores
 cannot run four replicas under load, so simulator.simulate replays two traces through four simulated
 replicas that schedule as ReplicaEngine does, each routing policy of policies.py placing the arrivals:
 a shared-prefix trace (conversations behind shared system prompts) and one without reuse, where
@@ -56,7 +56,7 @@ def main(quick: bool = False) -> bench.Result:
     for r in range(rounds):
         samples += sim.measure_step_costs(model, seed=r)
     cost = sim.StepCost.fit(samples)
-    ratio = [cost(b, t, c) / s for b, t, c, s in samples]
+    ratio = [cost.ragged(b) / s for b, s in samples]
     decode = {B: cost(B, 1, 256) for B in (1, 4, 16)}
     print(f"model: {which}; {len(samples)} engine steps timed; fitted {cost}")
     print(f"fit on its own samples: predicted/measured median {statistics.median(ratio):.2f}, "

@@ -119,7 +119,7 @@ def measured(model, prompts, new_tokens, kv, eng) -> list[dict]:
 
 def main(quick: bool = False) -> bench.Result:
     sim, pol = load("stage07_tensor_parallel.fleet.simulator"), load("stage07_tensor_parallel.fleet.policies")
-    loadgen, slo, planner = (load(f"stage07_tensor_parallel.{m}") for m in ("loadgen", "slo", "planner"))
+    loadgen, slo, planner = (load(f"stage07_tensor_parallel.fleet.{m}") for m in ("loadgen", "slo", "planner"))
     kv, eng = load("stage07_tensor_parallel.fleet.kv_connector"), load("stage07_tensor_parallel.fleet.replica_engine")
     torch.set_num_threads(1)
     model, which = bench.model()

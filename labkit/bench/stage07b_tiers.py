@@ -64,7 +64,9 @@ def serve(engine, eng, requests, answer):
 
 def main(quick: bool = False) -> bench.Result:
     pin_threads(1)
-    eng, kv, tiers = (load(f"stage07_tensor_parallel.{m}") for m in ("replica_engine", "kv_connector", "kv_tiers"))
+    eng, kv, tiers = (
+        load(f"stage07_tensor_parallel.fleet.{m}") for m in ("replica_engine", "kv_connector", "kv_tiers")
+    )
     model, which = bench.model()
     lengths, transfer_repeats = ([64, 512], 3) if quick else ([64, 256, 512, 960], 7)
     sessions, document, question, rounds, answer = (4, 192, 16, 2, 4) if quick else (8, 256, 16, 3, 4)

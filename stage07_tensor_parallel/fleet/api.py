@@ -12,9 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal
 
+from fastapi import Request
 from fastapi.responses import JSONResponse
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from labkit.serving import invalid_field
 
@@ -135,3 +136,13 @@ def chat_template(folder) -> Callable[[list[dict]], str]:
 
 def sse(data: dict) -> str:
     return f"data: {json.dumps(data)}\n\n"
+
+
+async def read_body(request: Request, schema):
+    """The request body as `schema`, or the 400 that names the field (or says the JSON is bad)."""
+    try:
+        return schema.model_validate(json.loads(await request.body()))
+    except ValidationError as e:
+        return refusal(e)
+    except ValueError as e:
+        return error(400, f"the body is not valid JSON: {e}")

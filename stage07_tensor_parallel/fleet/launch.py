@@ -104,8 +104,13 @@ class Fleet:
         reader.join(self.start_timeout)
         if not result or not result[0]:
             name = proc.args[proc.args.index("--name") + 1]
-            why = f"exited with code {proc.wait(1)}" if result else f"did not start within {self.start_timeout} s"
-            raise RuntimeError(f"replica {name} {why}; run its command by hand to see why: {' '.join(proc.args)}")
+            if result:  # it printed nothing and exited: broken, and its own output says why
+                why = f"replica {name} exited with code {proc.wait(1)}; run its command by hand to see why"
+            else:  # still loading: N replicas load N models at once, and a busy machine takes longer
+                why = (f"replica {name} has not finished loading its model after {self.start_timeout:g} s; the "
+                       f"machine may just be slow or busy (the replicas load at once): give it longer with "
+                       f"--start-timeout (Fleet(start_timeout=...)), or start fewer replicas. Its command")  # fmt: skip
+            raise RuntimeError(f"{why}: {' '.join(proc.args)}")
         return result[0]
 
     def __enter__(self) -> "Fleet":
@@ -188,9 +193,11 @@ def main(argv=None) -> None:
     ap.add_argument("--dead-after", type=float, default=3.0, help="seconds of silence after which a replica is dead")
     ap.add_argument("--prefill", type=int, default=0, help="prefill replicas (with --decode: disaggregated)")
     ap.add_argument("--decode", type=int, default=0, help="decode replicas (with --prefill: disaggregated)")
+    ap.add_argument("--start-timeout", type=float, default=60.0,
+                    help="seconds each replica may take to load its model (longer on a busy machine)")  # fmt: skip
     args = ap.parse_args(argv)
     fleet = Fleet(args.model, args.replicas, args.policy, prefill=args.prefill, decode=args.decode,
-                  **json.loads(args.engine))  # fmt: skip
+                  start_timeout=args.start_timeout, **json.loads(args.engine))  # fmt: skip
     import uvicorn
 
     fleet.start_replicas()

@@ -18,7 +18,7 @@ disconnects aborts its request on the replica (its slots go back at once); on sh
 accepted request finish, and any still open after that gets an error, so none is dropped silently.
 
 Faults (lab3.ipynb §4-§5). A replica that falls silent for `dead_after` seconds is dead and its requests
-move (router_state.py); it beats from a thread of its own, so a long engine step is not silence. With no
+move (migration.py); it beats from a thread of its own, so a long engine step is not silence. With no
 healthy replica left the client gets an error, never a hang. `breaker` (a
 factory of breaker.CircuitBreaker) gives each replica a circuit breaker fed by its failures (timeouts,
 replica errors, death); a replica whose breaker is not closed is out of the candidates, and a stats request
@@ -29,7 +29,8 @@ healthy replica can start a new request within its TTFT SLO. Both are off unless
 import argparse
 import asyncio
 import contextlib
-import json
+import functools
+import logging
 import math
 import time
 import uuid
@@ -41,17 +42,35 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
 
 from labkit.serving import RequestRefused, check_request, until_disconnected
 
-from .api import ChatCompletion, Completion, chat_template, error, held_back, plain_chat, refusal, sse, stop_at
+from .api import ChatCompletion, Completion, chat_template, error, held_back, plain_chat, read_body, sse, stop_at
 from .books import Flight, Lost
+from .kv_index import KVAware, KVIndex
 from .messages import Abort, Error, Token
 from .metrics import RouterMetrics
-from .router_state import POLICIES, RouterState, make_policy
+from .policies import CacheAware, LeastOutstanding, Policy, PowerOfTwo, RoundRobin, SessionAffinity
+from .router_state import RouterState
 
-__all__ = ["POLICIES", "chat_template", "create_app", "make_policy"]  # make_policy: the tests build policies
+log = logging.getLogger(__name__)
+POLICIES = {p.name: p for p in (RoundRobin, LeastOutstanding, PowerOfTwo, SessionAffinity, CacheAware, KVAware)}
+
+
+def make_policy(name: str, index: KVIndex, page_size: int, **options) -> Policy:
+    """A policy by name (round_robin, least_outstanding, power_of_two, session_affinity, cache_aware, kv_aware)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; pick one of {', '.join(POLICIES)}")
+    if name == "kv_aware":
+        return KVAware(index, page_size, **options)
+    return POLICIES[name](**options)
+
+
+def unfinished(e: NotImplementedError) -> JSONResponse:
+    """The request reached learner code that is still a TODO: an OpenAI error that names it (the router's
+    console says it too), instead of a bare 500."""
+    log.error("a request reached unfinished code: %s", e)
+    return error(501, f"the fleet reached code that is not written yet: {e}")
 
 
 class Front:
@@ -61,14 +80,6 @@ class Front:
         self.fleet, self.tokenizer, self.render_chat = fleet, tokenizer, render_chat
         self.eos_token_id, self.model_name, self.request_timeout = eos_token_id, model_name, request_timeout
         self.metrics = RouterMetrics(fleet, model_name)
-
-    async def read_body(self, request: Request, schema):
-        try:
-            return schema.model_validate(json.loads(await request.body()))
-        except ValidationError as e:
-            return refusal(e)
-        except ValueError as e:
-            return error(400, f"the body is not valid JSON: {e}")
 
     def token_ids(self, req, chat: bool) -> list[int] | Response:
         """The prompt's token ids, or the 400 that says why there are none."""
@@ -107,19 +118,28 @@ class Front:
         return None
 
     async def create(self, request: Request, chat: bool) -> Response:
-        req = await self.read_body(request, ChatCompletion if chat else Completion)
+        req = await read_body(request, ChatCompletion if chat else Completion)
         if isinstance(req, Response):
             return req
         ids = self.token_ids(req, chat)
         if isinstance(ids, Response):
             return ids
-        if (refused := self.refuse(ids)) is not None:
-            return refused
+        try:
+            if (refused := self.refuse(ids)) is not None:
+                return refused
+        except NotImplementedError as e:  # admission control or a breaker is a TODO still
+            return unfinished(e)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         stop_ids = [] if req.ignore_eos or self.eos_token_id is None else [self.eos_token_id]
         params = {"temperature": req.temperature, "seed": req.seed, "stop_token_ids": stop_ids}
         flight = self.fleet.flights[rid] = Flight(rid, ids, req.max_tokens, params, req.user, asyncio.Queue())
-        if not await self.fleet.route(flight):  # only prefill replicas are left
+        try:
+            routed = await self.fleet.route(flight)
+        except NotImplementedError as e:  # the policy is a TODO still: say which, and keep no books on it
+            self.fleet.flights.pop(rid)
+            self.fleet.release(flight)
+            return unfinished(e)
+        if not routed:  # only prefill replicas are left
             self.fleet.flights.pop(rid)
             return error(
                 503, "no healthy decode replica: every one is dead or has its circuit breaker open; retry later"
@@ -271,7 +291,8 @@ def create_app(
     a replica is dead and its requests move.
     """
     ctx = zmq.asyncio.Context.instance()
-    fleet = RouterState(replicas, policy, policy_options, drop_events, seed, ctx, breaker, admission, dead_after)
+    policy_for = functools.partial(make_policy, policy, **(policy_options or {}))  # (index, page_size) -> policy
+    fleet = RouterState(replicas, policy_for, drop_events, seed, ctx, breaker, admission, dead_after)
     front = Front(fleet, tokenizer, render_chat or plain_chat, eos_token_id, model_name, request_timeout)
 
     @contextlib.asynccontextmanager

@@ -20,7 +20,7 @@ import zmq.asyncio
 
 from . import handoff
 from .books import Flight, Worker
-from .kv_index import KVAware, KVIndex
+from .kv_index import KVIndex
 from .messages import (
     AskSnapshot,
     AskStats,
@@ -37,38 +37,20 @@ from .messages import (
     encode,
 )
 from .migration import Migration
-from .policies import (
-    CacheAware,
-    LeastOutstanding,
-    Policy,
-    PowerOfTwo,
-    RoundRobin,
-    RoutedRequest,
-    SessionAffinity,
-    WorkerState,
-)
+from .policies import Policy, RoutedRequest, WorkerState
 from .replica_engine import page_hashes
 
 log = logging.getLogger(__name__)
-POLICIES = {p.name: p for p in (RoundRobin, LeastOutstanding, PowerOfTwo, SessionAffinity, CacheAware, KVAware)}
-
-
-def make_policy(name: str, index: KVIndex, page_size: int, **options) -> Policy:
-    """A policy by name (round_robin, least_outstanding, power_of_two, session_affinity, cache_aware, kv_aware)."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown routing policy {name!r}; pick one of {', '.join(POLICIES)}")
-    if name == "kv_aware":
-        return KVAware(index, page_size, **options)
-    return POLICIES[name](**options)
 
 
 class RouterState(Migration):
     """The router's live state: workers, open requests, the KV index and the policy (Migration: what it does
     when a replica falls silent)."""
 
-    def __init__(self, addresses, policy, policy_options, drop_events, seed, ctx, breaker=None, admission=None,
+    def __init__(self, addresses, make_policy, drop_events, seed, ctx, breaker=None, admission=None,
                  dead_after=3.0, probe_timeout=2.0):  # fmt: skip
-        self.addresses, self.policy_name, self.policy_options = list(addresses), policy, policy_options or {}
+        # make_policy(index, page_size) -> the routing policy, built once the replicas' page size is known
+        self.addresses, self.make_policy = list(addresses), make_policy
         self.ctx, self.index = ctx, KVIndex()
         self.drop_events, self.rng = drop_events, random.Random(seed)  # drop_events: a lossy network, for tests
         self.workers: dict[str, Worker] = {}  # worker name -> Worker
@@ -115,7 +97,7 @@ class RouterState(Migration):
             raise ValueError("the fleet has prefill replicas but no decode replica to send their KV to")
         self.max_len = min(w.max_len for w in self.workers.values())
         self.vocab_size = hello.vocab_size  # the model's, which may exceed the tokenizer's
-        self.policy = make_policy(self.policy_name, self.index, self.page_size, **self.policy_options)
+        self.policy = self.make_policy(self.index, self.page_size)
         self.sub = sub
         self.tasks = [asyncio.ensure_future(self.read(w)) for w in self.workers.values()]
         self.tasks.append(asyncio.ensure_future(self.read_events()))

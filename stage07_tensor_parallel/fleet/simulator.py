@@ -5,7 +5,7 @@ instead: one engine step's cost is measured here (`measure_step_costs` times Rep
 this machine; `StepCost.fit` fits it), and `simulate` runs a trace through N simulated replicas whose
 scheduling copies replica_engine.ReplicaEngine: first come first served admission up to max_num_seqs,
 each running request's next chunk within max_num_batched_tokens (a prefill chunk, or one decode
-token), one padded forward per step. A routing policy from policies.py places every arrival, with the
+token), one packed forward per step. A routing policy from policies.py places every arrival, with the
 counters the router keeps. Prefix-cache hits are page-level and come from the trace's hash ids (its
 block size is the engine's page size): a replica holds the pages of the prompts it has prefilled, LRU-bounded.
 
@@ -30,7 +30,7 @@ import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 import numpy as np
 
@@ -43,13 +43,14 @@ from .replica_engine import EngineRequest, ReplicaEngine, page_hashes
 
 @dataclass
 class StepCost:
-    """Seconds of one engine step over B sequences. labkit.paged.forward pads every chunk to the longest (T
-    tokens) and reads every sequence's keys up to the longest context (L), so a step costs about
+    """Seconds of one engine step. labkit.paged.forward packs the batch: the new tokens of all its sequences
+    (a prefill chunk's, and one per decode) go through the weights as one matrix, and each sequence reads its
+    own keys. A step over B sequences, sequence i computing T_i new tokens and reaching context L_i, costs about
 
-        base + per_sequence * B + per_token * B * T + per_key * B * L + per_score * B * T * L
+        base + per_sequence * B + per_token * sum(T_i) + per_key * sum(L_i) + per_score * sum(T_i * L_i)
 
-    fixed overhead, per-sequence bookkeeping and sampling, the weights' work on the padded tokens, the
-    gather of the paged keys and values, and the attention scores."""
+    fixed overhead, per-sequence bookkeeping and sampling, the weights' work on the new tokens, the gather of
+    the paged keys and values, and the attention scores."""
 
     base: float
     per_sequence: float
@@ -58,39 +59,41 @@ class StepCost:
     per_score: float
 
     def __call__(self, batch_size: int, tokens: int, context: int) -> float:
-        b, t, c = batch_size, tokens, context
-        return (
-            self.base
-            + self.per_sequence * b
-            + self.per_token * b * t
-            + self.per_key * b * c
-            + self.per_score * b * t * c
-        )
+        """A step over batch_size alike sequences, each computing `tokens` new tokens up to `context`."""
+        return self.ragged([(tokens, context)] * batch_size)
+
+    def ragged(self, batch: list[tuple[int, int]]) -> float:
+        """A step over sequences of (new tokens T_i, context L_i)."""
+        return float(np.dot(astuple(self), terms(batch)))
 
     @classmethod
-    def fit(cls, samples: list[tuple[int, int, int, float]]) -> "StepCost":
-        """Non-negative least squares over (batch_size, tokens, context, seconds) samples, on relative error
+    def fit(cls, samples: list[tuple[list[tuple[int, int]], float]]) -> "StepCost":
+        """Non-negative least squares over (batch, seconds) samples (measure_step_costs), on relative error
         (each row divided by its time), so short decode steps count as much as long prefills."""
         from scipy.optimize import nnls
 
-        b, t, c, s = (np.array(x, dtype=np.float64) for x in zip(*samples, strict=True))
-        features = np.stack([np.ones_like(b), b, b * t, b * c, b * t * c], axis=1)  # the terms of __call__
-        coef, _ = nnls(features / s[:, None], np.ones_like(s))
+        features = np.array([terms(batch) for batch, _ in samples])
+        seconds = np.array([s for _, s in samples])
+        coef, _ = nnls(features / seconds[:, None], np.ones_like(seconds))
         return cls(*map(float, coef))
+
+
+def terms(batch: list[tuple[int, int]]) -> list[float]:
+    """StepCost's terms of a batch of (new tokens, context): 1, B, sum T, sum L, sum T*L."""
+    return [1.0, len(batch), sum(t for t, _ in batch), sum(c for _, c in batch), sum(t * c for t, c in batch)]
 
 
 def measure_step_costs(model, *, waves=(1, 2, 4, 8, 16), page_size: int = 16, seed: int = 0) -> list[tuple]:
     """Time every step of a ReplicaEngine serving waves of trace requests (1, 2, 4, ... at once, so decode
-    batches, prefill chunks and mixes of both occur) on this machine: [(batch_size, tokens, context, seconds)].
-    The batch's shape is read by wrapping labkit.paged.forward for the duration."""
+    batches, prefill chunks and mixes of both occur) on this machine: [(batch, seconds)], a batch being its
+    sequences' (new tokens, context). The batch's shape is read by wrapping labkit.paged.forward for the duration."""
     from .loadgen import conversation_trace
 
     shapes = []
     forward = paged.forward
 
     def recording(model_, store, seq_ids, chunks):
-        context = max(store.length(s) + len(c) for s, c in zip(seq_ids, chunks, strict=True))
-        shapes.append((len(chunks), max(len(c) for c in chunks), context))
+        shapes.append([(len(c), store.length(s) + len(c)) for s, c in zip(seq_ids, chunks, strict=True)])
         return forward(model_, store, seq_ids, chunks)
 
     trace = conversation_trace(sum(waves), 1.0, block_size=page_size, vocab_size=model.config.vocab_size, seed=seed)
@@ -111,7 +114,7 @@ def measure_step_costs(model, *, waves=(1, 2, 4, 8, 16), page_size: int = 16, se
                 engine.step()
                 seconds = time.perf_counter() - t0
                 if len(shapes) > before:
-                    samples.append((*shapes[-1], seconds))
+                    samples.append((shapes[-1], seconds))
     finally:
         paged.forward = forward
         if enabled:
@@ -248,8 +251,7 @@ def simulate(
                 rep.batch.append((seq, chunk))
                 budget -= chunk
         if rep.batch:
-            context = max(s.computed + c for s, c in rep.batch)
-            cost = step_cost(len(rep.batch), max(c for _, c in rep.batch), context)
+            cost = step_cost.ragged([(c, s.computed + c) for s, c in rep.batch])
             rep.busy_s += cost
             heapq.heappush(steps, (now + cost, k))
 

@@ -44,6 +44,28 @@ def test_paged_forward_equals_the_models_forward_for_families(name):
     ragged_equals_full(labkit_from_hf(hf), 5, block_size=3)
 
 
+@pytest.mark.parametrize("seed", [6, 7])
+def test_a_prefill_chunk_beside_decodes_equals_the_models_forward(seed):
+    """The shape a serving engine runs: one sequence's long prefill chunk packed with decodes of several
+    context lengths and a short chunk, in a shuffled order. Each row equals the model's own forward."""
+    model = labkit_from_hf(random_llama(seed=seed, **LLAMA_CONFIGS[sorted(LLAMA_CONFIGS)[0]]))
+    vocab, g = model.config.vocab_size, torch.Generator().manual_seed(seed)
+    cached = [int(n) for n in torch.randint(1, 30, (5,), generator=g)] + [0]  # the last one starts its prefill
+    new = [1, 1, 1, 5, 1, 24]
+    seqs = [
+        random_tokens(seed * 10 + i, c + n, vocab).tolist() for i, (c, n) in enumerate(zip(cached, new, strict=True))
+    ]
+    store = paged.PagedKVStore(model, 64, 4)
+    warm = [i for i, c in enumerate(cached) if c]
+    paged.forward(model, store, warm, [seqs[i][: cached[i]] for i in warm])
+    order = torch.randperm(len(seqs), generator=g).tolist()
+    logits = paged.forward(model, store, order, [seqs[i][cached[i] :] for i in order])
+    for i, got in zip(order, logits, strict=True):
+        with torch.no_grad():
+            full = model(torch.tensor([seqs[i]]))[0, cached[i] :].float()
+        torch.testing.assert_close(got, full, atol=1e-5, rtol=0, msg=f"seed={seed} sequence {i} cached {cached[i]}")
+
+
 def test_truncate_returns_blocks_and_out_of_blocks_allocates_nothing():
     model = init_weights(Llama(Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16)))  # fmt: skip

@@ -187,6 +187,38 @@ def test_bad_input_gets_400_and_the_fleet_serves_on(fleet):
     assert r.status_code == 200, f"a good request after the bad ones: {r.status_code} {r.text}"
 
 
+class Unwritten:
+    """A policy whose choose is a TODO still: what a learner's fleet meets before lab3 §1 is done."""
+
+    name = "unwritten"
+
+    def choose(self, request, workers):
+        raise NotImplementedError("stage07: Unwritten.choose — see lab3.ipynb §1")
+
+
+def test_a_request_that_reaches_a_todo_gets_an_openai_error_naming_it(fleet, impl):
+    """Streamed or not, the client reads the TODO's message in an OpenAI error body (not a bare 500), and
+    the router keeps no books on the request; the next request with a written policy is served."""
+    router = fleet.router
+    router.policy = Unwritten()
+    try:
+        for stream in (False, True):
+            r = post(fleet, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3, "stream": stream})
+            err = r.json().get("error", {}) if r.headers.get("content-type") == "application/json" else {}
+            assert r.status_code == 501 and "Unwritten.choose — see lab3.ipynb §1" in err.get("message", ""), (
+                f"stream={stream}: {r.status_code} {r.text[:300]}"
+            )
+            books = [(w.state.outstanding, w.state.active_tokens, w.state.queued_prefill_tokens)
+                     for w in router.workers.values()]  # fmt: skip
+            assert not router.flights and books == [(0, 0, 0)] * len(books), (
+                f"stream={stream}: the router still holds {list(router.flights)} and books {books}"
+            )
+    finally:
+        set_policy(fleet, impl, "cache_aware")
+    r = post(fleet, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3})
+    assert r.status_code == 200, f"a request after the unwritten policy: {r.status_code} {r.text}"
+
+
 def test_the_kv_index_resyncs_after_dropped_events(fleet, impl):
     """Half the KV events (and heartbeats) are lost on the way; kv_aware routes meanwhile. Once the replicas
     are idle, the router's index must equal each replica's own snapshot."""
