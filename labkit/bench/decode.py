@@ -50,6 +50,35 @@ def aten_ops(step) -> int:
     return sum(1 for e in p.events() if e.name.startswith("aten::"))
 
 
+def profile_step(step) -> list[dict]:
+    """Where a warm step's time goes, per op kind: each matrix-vector op (the bytes of its weights, their
+    rate, and its time over its own floor) and the rest of the compiled graph (norms, RoPE, the attention
+    over the cache window, the residual adds) as one row with the cache bytes it reads."""
+    step()
+    with profile(record_shapes=True) as p:
+        step()
+    events = [e for e in p.events() if e.name.startswith("labkit_cpu::")]
+    total = max(e.time_range.end for e in p.events()) - min(e.time_range.start for e in p.events())  # us
+    decoder, per_weight = step.decoder, {"fp32": 4, "int8": 1 + 2 / 32, "int4": 0.5 + 4 / 32}  # bytes per weight
+    rows = {}
+    for e in events:
+        (_, n_in), (n_out, _) = e.input_shapes[0], e.input_shapes[1]
+        kind = "LM head" if n_out == decoder.c.vocab_size else f"({n_out}, {n_in}) matrices"
+        row = rows.setdefault(kind, {"op": kind, "calls": 0, "us": 0.0, "bytes": 0})
+        row["calls"], row["us"] = row["calls"] + 1, row["us"] + e.cpu_time_total
+        row["bytes"] += int(n_out * n_in * per_weight[decoder.weights])
+    c = decoder.c
+    window_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * decoder.window * c.head_dim * 4
+    rest = {"op": f"rest of the graph (attention over {decoder.window} cache slots, norms, RoPE)", "calls": 1,
+            "us": total - sum(r["us"] for r in rows.values()), "bytes": window_bytes}  # fmt: skip
+    out = []
+    for r in [*rows.values(), rest]:
+        floor = floors.floor_s(bytes=r["bytes"]) * 1e6
+        out.append({"op": r["op"], "calls": r["calls"], "ms": round(r["us"] / 1e3, 3), "MB": round(r["bytes"] / 1e6, 2),
+                    "GB/s": round(r["bytes"] / r["us"] / 1e3, 1), "vs floor": round(r["us"] / floor, 2)})  # fmt: skip
+    return out
+
+
 def course_step(model, backend: str | None, weights: str = "fp32", kernels: str = "cpp"):
     """One cached step at position CONTEXT, rewound after each call; backend None = model(ids, cache)."""
     cache = model.new_cache(1, 1024)
@@ -208,6 +237,13 @@ def main(quick: bool = False) -> bench.Result:
     figures["compile_s"] = round(time.perf_counter() - t0, 1)
     prompt = bench.tokenizer().encode(PROMPT).ids
     figures["greedy"] = {w: greedy_check(model, course[w].decoder, prompt, w) for w in LLAMACPP}
+    figures["profile_1_thread"] = {w: profile_step(s) for w, s in course.items()}
+    for w, table in figures["profile_1_thread"].items():
+        print(
+            bench.table(
+                table, title=f"where the compiled cpp {w} step's time goes, 1 thread (floor: bytes / copy rate)"
+            )
+        )
     with tempfile.TemporaryDirectory() as tmp:
         files = gguf_files(folder, Path(tmp))
         for threads in THREADS:

@@ -6,8 +6,9 @@ time also quotes its floor and the ratio, so a reader sees how far each variant 
 not only from the other variants. One line per row:
 
     from labkit.bench import floors
-    row.update(floors.row(seconds, bytes=floors.weight_bytes(model)))            # decode: bandwidth bound
+    row.update(floors.row(seconds, bytes=floors.decode_bytes(model, context)))   # decode: bandwidth bound
     row.update(floors.row(seconds, flops=floors.forward_flops(model, tokens)))   # prefill: compute bound
+    row.update(floors.row(seconds, bytes=..., name="step"))   # {"step floor ms", "step vs floor"}: a 2nd time
 
 row() returns {"floor ms": ..., "vs floor": measured / floor} (with both bytes and flops, the larger
 floor: the step is bound by whichever is slower). figures() is the two measured rates, for the JSON.
@@ -52,10 +53,11 @@ def floor_s(bytes: float = 0, flops: float = 0) -> float:
     return max(bytes / bandwidth() if bytes else 0.0, flops / gemm_rate() if flops else 0.0)
 
 
-def row(seconds: float, bytes: float = 0, flops: float = 0) -> dict:
-    """The two columns a benchmark row adds: {"floor ms", "vs floor"} for a measured time in seconds."""
-    floor = floor_s(bytes, flops)
-    return {"floor ms": round(floor * 1e3, 3), "vs floor": round(seconds / floor, 2) if floor else ""}
+def row(seconds: float, bytes: float = 0, flops: float = 0, name: str = "") -> dict:
+    """The two columns a benchmark row adds: {"floor ms", "vs floor"} for a measured time in seconds
+    (prefixed by `name` where a row holds several times)."""
+    floor, prefix = floor_s(bytes, flops), f"{name} " if name else ""
+    return {f"{prefix}floor ms": round(floor * 1e3, 3), f"{prefix}vs floor": round(seconds / floor, 2) if floor else ""}
 
 
 def figures() -> dict:
@@ -67,6 +69,18 @@ def figures() -> dict:
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes a batch-1 decode step reads at least: every parameter once (a tied embedding counted once)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes(model, context: int, element_size: int = 4) -> int:
+    """Bytes of keys and values a decode step reads from a cache of `context` positions (float32 by default)."""
+    c = getattr(model, "config", model)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * context * element_size
+
+
+def decode_bytes(model: torch.nn.Module, context: int, batch: int = 1) -> int:
+    """Bytes one decode step of `batch` sequences reads at least: the weights once, each sequence's cache."""
+    return weight_bytes(model) + batch * kv_bytes(model, context)
 
 
 def forward_flops(model, tokens: int, context: int = 0) -> float:
