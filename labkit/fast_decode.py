@@ -148,6 +148,9 @@ class StaticDecoder:
         compile_options = {"cpp_wrapper": True} if cache.k[0].device.type == "cpu" else {}
         self.fn = self.step
         if backend == "compile":
+            # every decoder compiles the same code object (step): one entry per weights format, shapes and
+            # window, more than dynamo's default 8 in a process that builds several (a test run, a benchmark)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.fn = torch.compile(self.step, fullgraph=True, dynamic=False, options=compile_options)
         self.graphs = {}  # window size -> (graph, static ids, static pos, output)
 
