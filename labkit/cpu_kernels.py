@@ -180,7 +180,7 @@ def ops():
         return None
     from torch.utils.cpp_extension import load_inline
 
-    print("labkit.cpu_kernels: building the AVX2 matrix-vector kernels once (about a minute; cached after)")
+    print("labkit.cpu_kernels: loading the AVX2 matrix-vector kernels (the first time, a minute to compile them)")
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
     load_inline("labkit_cpu", SOURCE, extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
     for name in ("q8_0_matvec", "q4_1_matvec", "f32_matvec"):  # shapes only, for torch.compile's tracing

@@ -33,6 +33,12 @@ accumulation stays float32): the int8 approach written for int4 (unpack two code
 multiply, in one fused float32 loop) made SmolLM2's compiled step 1.7x slower than this kernel
 (19.1 vs 11.3 ms, one thread, one process; MODELS.md has the figures).
 
+inductor's loop over int8 codes does not stream (it turns each code into a float), nor does PyTorch's
+packed int4 kernel on every CPU: `kernels="cpp"` replaces every matrix-vector product with
+labkit.cpu_kernels' AVX2 loops over (out, in) rows, float32 or llama.cpp's Q8_0 / Q4_1 blocks of 32,
+with the activation rounded to int8 blocks once per matrix as llama.cpp does; the compiled step calls
+them from its one graph.
+
 make bench STAGE=decode compares it with the eager model, Hugging Face and llama.cpp.
 """
 
