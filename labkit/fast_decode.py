@@ -151,11 +151,7 @@ class StaticDecoder:
                 self.lm_head = self.quantize(self.lm_head, "lm_head")
             self.final_norm = model.model.norm.weight.detach()
         self.key_positions = torch.arange(cache.max_seq_len, device=cache.k[0].device)
-        # inductor's C++ wrapper (no Python between the compiled kernels) only where every matmul is PyTorch's
-        # float one: with the packed int8/int4 kernels or labkit.cpu_kernels' ops in the graph, it returned NaN
-        # logits under ATEN_CPU_CAPABILITY=avx2 here (torch 2.13), where the Python wrapper gives eager's
-        plain = (weights, self.kernels) == ("fp32", "torch")
-        compile_options = {"cpp_wrapper": True} if cache.k[0].device.type == "cpu" and plain else {}
+        compile_options = {"cpp_wrapper": True} if cache.k[0].device.type == "cpu" else {}
         self.fn = self.step
         if backend == "compile":
             # every decoder compiles the same code object (step): one entry per weights format, shapes and
