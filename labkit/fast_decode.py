@@ -33,16 +33,25 @@ accumulation stays float32): the int8 approach written for int4 (unpack two code
 multiply, in one fused float32 loop) made SmolLM2's compiled step 1.7x slower than this kernel
 (19.1 vs 11.3 ms, one thread, one process; MODELS.md has the figures).
 
+inductor's loop over int8 codes does not stream (it turns each code into a float), nor does PyTorch's
+packed int4 kernel on every CPU: `kernels="cpp"` replaces every matrix-vector product with
+labkit.cpu_kernels' AVX2 loops over (out, in) rows, float32 or llama.cpp's Q8_0 / Q4_1 blocks of 32,
+with the activation rounded to int8 blocks once per matrix as llama.cpp does; the compiled step calls
+them from its one graph.
+
 make bench STAGE=decode compares it with the eager model, Hugging Face and llama.cpp.
 """
 
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernels
 from .model import KVCache, Llama, apply_rope, grouped_attention, refuse_extras
 
 BACKENDS = ("eager", "compile", "cudagraph")
 WEIGHTS = ("fp32", "int8", "int4")
+KERNELS = ("torch", "cpp")
+CPP_FORMATS = {"fp32": "f32", "int8": "q8_0", "int4": "q4_1"}  # labkit.cpu_kernels' op per weights
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,10 +96,13 @@ class StaticDecoder:
     torch.cuda.CUDAGraph per window size; model and cache on a CUDA device).
     window: the smallest number of cache positions a step attends over (the mask hides the unwritten).
     weights: "fp32" (the model's), "int8" or "int4" (weight-only, CPU; int4 in groups of group_size).
+    kernels: "torch" (PyTorch's matmuls and packed kernels) or "cpp" (labkit.cpu_kernels' AVX2 matrix-vector
+    loops over (out, in) rows: float32, or llama.cpp's Q8_0 / Q4_1 blocks of 32 for int8 / int4; built on
+    first use, "torch" where it cannot be built).
     """
 
     def __init__(self, model: Llama, cache: KVCache, backend: str = "compile", window: int = 256,
-                 weights: str = "fp32", group_size: int = 32):  # fmt: skip
+                 weights: str = "fp32", group_size: int = 32, kernels: str = "torch"):  # fmt: skip
         c = model.config
         refuse_extras(c, "labkit.fast_decode.StaticDecoder", max_len=cache.max_seq_len)
         if backend not in BACKENDS:
@@ -104,12 +116,25 @@ class StaticDecoder:
             raise ValueError(f"weights={weights!r}; choose one of {WEIGHTS}")
         if weights != "fp32" and cache.k[0].device.type != "cpu":
             raise ValueError(f"weights={weights!r} runs PyTorch's CPU kernels: keep the model and its cache on the CPU")
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels={kernels!r}; choose one of {KERNELS}")
+        self.ops = None
+        if kernels == "cpp":
+            if cache.k[0].device.type != "cpu":
+                raise ValueError("kernels='cpp' runs labkit.cpu_kernels: keep the model and its cache on the CPU")
+            sizes = {c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim}
+            if any(n % cpu_kernels.BLOCK for n in sizes) or c.vocab_size % 4:
+                raise ValueError(f"kernels='cpp' needs every matrix's inputs ({sorted(sizes)}) a multiple of "
+                                 f"{cpu_kernels.BLOCK} and the vocabulary ({c.vocab_size}) of 4; use kernels='torch'")  # fmt: skip
+            self.ops = cpu_kernels.ops()  # None (it says why) where it cannot be built: PyTorch's kernels then
         self.model, self.cache, self.backend, self.c, self.window = model, cache, backend, c, window
-        self.weights, self.group_size = weights, group_size
+        self.weights, self.group_size, self.kernels = weights, group_size, "cpp" if self.ops else "torch"
         layers = model.model.layers
 
         def stacked(*names: str):  # per layer: the named Linears' weights side by side
             ws = [torch.cat([lay.get_submodule(n).weight for n in names]) for lay in layers]
+            if self.kernels == "cpp":
+                return [self.quantize(w, "+".join(names)) for w in ws]  # (out, in) rows, one entry a layer
             if weights == "fp32":
                 return torch.stack([w.T.contiguous() for w in ws])  # (L, in, out)
             return [self.quantize(w, "+".join(names)) for w in ws]
@@ -122,17 +147,23 @@ class StaticDecoder:
             self.w_gate_up = stacked("mlp.gate_proj", "mlp.up_proj")  # (L, hidden, 2 * intermediate)
             self.w_down = stacked("mlp.down_proj")  # (L, intermediate, hidden)
             self.embed, self.lm_head = model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach()
-            if weights != "fp32":
+            if weights != "fp32" or self.kernels == "cpp":
                 self.lm_head = self.quantize(self.lm_head, "lm_head")
             self.final_norm = model.model.norm.weight.detach()
         self.key_positions = torch.arange(cache.max_seq_len, device=cache.k[0].device)
         compile_options = {"cpp_wrapper": True} if cache.k[0].device.type == "cpu" else {}
         self.fn = self.step
         if backend == "compile":
+            # every decoder compiles the same code object (step): one entry per weights format, shapes and
+            # window, more than dynamo's default 8 in a process that builds several (a test run, a benchmark)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.fn = torch.compile(self.step, fullgraph=True, dynamic=False, options=compile_options)
         self.graphs = {}  # window size -> (graph, static ids, static pos, output)
 
-    def quantize(self, w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(self, w: torch.Tensor, name: str):
+        if self.kernels == "cpp":
+            return {"fp32": torch.Tensor.contiguous, "int8": cpu_kernels.quantize_q8_0,
+                    "int4": cpu_kernels.quantize_q4_1}[self.weights](w.detach())  # fmt: skip
         if self.weights == "int8":
             return quantize_int8(w)
         out, inp = w.shape
@@ -152,6 +183,9 @@ class StaticDecoder:
 
     def matmul(self, x: torch.Tensor, w) -> torch.Tensor:
         """x (B, 1, in) times one stored weight: (in, out) float, or the packed codes and scales."""
+        if self.kernels == "cpp":  # one pass over the (out, in) rows, dequantizing in registers
+            op = getattr(self.ops, f"{CPP_FORMATS[self.weights]}_matvec")
+            return op(x.reshape(-1, x.shape[-1]), *(w if isinstance(w, tuple) else (w,))).view(*x.shape[:-1], -1)
         if self.weights == "fp32":
             return x @ w
         flat = x.reshape(-1, x.shape[-1])  # the packed kernels take 2-D activations
@@ -188,7 +222,11 @@ class StaticDecoder:
             gate, up = self.matmul(rms_norm(x, self.norms[i, 1], eps), self.w_gate_up[i]).chunk(2, dim=-1)
             x = x + self.matmul(F.silu(gate) * up, self.w_down[i])
         x = rms_norm(x, self.final_norm, eps)
-        return F.linear(x, self.lm_head) if self.weights == "fp32" else self.matmul(x, self.lm_head)
+        return (
+            F.linear(x, self.lm_head)
+            if (self.weights, self.kernels) == ("fp32", "torch")
+            else self.matmul(x, self.lm_head)
+        )
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@
 A benchmark is `labkit/bench/stageNN.py` (or `stageNNb.py` for a stage's part 2) with
 `main(quick: bool) -> bench.Result`: it loads its models with `model()`, times with `measure`,
 `compare` or `interleaved`, prints its tables and returns what it measured; this module saves the
-Result as bench_results/stageNN.json (+ .png).
+Result as bench_results/stageNN.json (+ .png), with this machine's measured bandwidth and GEMM rate
+(labkit.bench.floors); rows that quote a time add their own floor with floors.row.
 
 A speed claim in this course is a ratio of two variants measured in the same process, one after
 the other, as medians of repeats; never a single timing, never a timed unit test.
@@ -114,6 +115,9 @@ def main(argv=None) -> int:
         return 2
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     result = module.main(quick=args.quick)
+    from .floors import figures as floor_figures
+
+    result.figures = {**floor_figures(), **result.figures}  # every JSON carries the machine's floor rates
     run = {
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
         "seconds": round(time.perf_counter() - t0),

@@ -1,21 +1,25 @@
-"""One decode step, everywhere, against the machine's limit: llama.cpp is the yardstick (issue 24).
+"""Decode and prefill against llama.cpp and against the machine's floor (issues 24 and 49).
 
     make bench STAGE=decode [MODEL=real]   (installs llama-cpp-python on demand: make llamacpp)
 
-In one run and on one thread each, a cached decode step of $MODEL (default the tiny target; `real`
-is SmolLM2-135M-Instruct) at CONTEXT tokens: labkit.model eager, labkit.fast_decode.StaticDecoder
-(fused, then torch.compile'd, with fp32, int8 and int4 weights), Hugging Face transformers, and
-llama.cpp on the same weights exported to GGUF F32 and Q8_0 by stage 03's exporter (for the real
-model: the Q4_1 file it ships as, and that file requantized to F32 and Q8_0 by llama.cpp).
+$MODEL defaults to the tiny target; `real` is SmolLM2-135M-Instruct. At one thread, then two:
 
-Each row's floor is the bytes its step must read (every weight once at its own width: codes and
-scales for int8/int4, the GGUF file's tensors for llama.cpp) over the bandwidth a one-thread copy
-of COPY_MB reaches (bytes read + written per second). Every step is timed round-robin
-(bench.interleaved), so load drift hits all alike; aten ops per step come from torch.profiler
-(nested ops included). The int8/int4 steps' greedy tokens are compared with fp32's over
-GREEDY_TOKENS tokens of a chat prompt.
+- decode: one cached step at CONTEXT tokens of labkit.fast_decode.StaticDecoder, torch.compile'd, with
+  labkit.cpu_kernels' fp32, int8 (Q8_0) and int4 (Q4_1) matrix-vector loops, beside llama.cpp on the same
+  model as GGUF F32, Q8_0 and Q4_1 (the real model ships as Q4_1; llama.cpp requantizes it; the tiny one
+  is exported by stage 03's exporter). At one thread also labkit.model eager, the compiled step on
+  PyTorch's kernels, and Hugging Face transformers. Each floor is the bytes the step must read (every
+  weight once at its width; the GGUF file's tensors for llama.cpp) over the measured copy bandwidth.
+- prefill: PREFILLS-token prompts through labkit.model (float32, PyTorch's GEMMs) beside llama.cpp F32
+  with n_batch = the prompt; the floor is the forward's FLOPs over the measured float32 GEMM rate.
+
+Every variant is timed round-robin (bench.interleaved) so load drift hits all alike; aten ops per step
+are counted by torch.profiler on a warm step (a first call would count the tracing and compiling too).
+Greedy tokens over GREEDY_TOKENS of a chat prompt: each fast path against the eager model on the same
+(dequantized) weights, accepted up to a difference within the paths' measured logit error.
 """
 
+import copy
 import tempfile
 import time
 from pathlib import Path
@@ -23,59 +27,121 @@ from pathlib import Path
 import torch
 from torch.profiler import profile
 
-from labkit import bench
+from labkit import bench, cpu_kernels
+from labkit.bench import floors
 from labkit.checkpoint import model_folder, real_model_folder
 from labkit.device import pin_threads
 from labkit.fast_decode import StaticDecoder
 from labkit.impl import load
+from labkit.testing import assert_greedy_within
 
 CONTEXT = 128
-COPY_MB = 512
+PREFILLS = (128, 512)
+THREADS = (1, 2)
 GREEDY_TOKENS = 64
 PROMPT = "<|im_start|>user\nWhat is the capital of France, and why?<|im_end|>\n<|im_start|>assistant\n"
-
-
-def copy_bandwidth(repeats: int = 5) -> float:
-    """Bytes per second (read + written) of a one-thread copy of COPY_MB between two fresh buffers."""
-    src = torch.ones(COPY_MB * 2**20 // 4)
-    dst = torch.empty_like(src)
-    t = bench.measure(lambda: dst.copy_(src), repeats=repeats)
-    return 2 * src.numel() * 4 / t.median
+LLAMACPP = {"fp32": "F32", "int8": "Q8_0", "int4": "Q4_1"}  # the GGUF type of each course precision
 
 
 def aten_ops(step) -> int:
+    step()  # warm: the first call of a compiled step traces and compiles, thousands of ops
     with profile() as p:
         step()
     return sum(1 for e in p.events() if e.name.startswith("aten::"))
 
 
-def course_step(model, backend: str | None, weights: str = "fp32"):
+def profile_step(step) -> list[dict]:
+    """Where a warm step's time goes, per op kind: each matrix-vector op (the bytes of its weights, their
+    rate, and its time over its own floor) and the rest of the compiled graph (norms, RoPE, the attention
+    over the cache window, the residual adds) as one row with the cache bytes it reads."""
+    step()
+    with profile(record_shapes=True) as p:
+        step()
+    events = [e for e in p.events() if e.name.startswith("labkit_cpu::")]
+    total = max(e.time_range.end for e in p.events()) - min(e.time_range.start for e in p.events())  # us
+    decoder, per_weight = step.decoder, {"fp32": 4, "int8": 1 + 2 / 32, "int4": 0.5 + 4 / 32}  # bytes per weight
+    rows = {}
+    for e in events:
+        (_, n_in), (n_out, _) = e.input_shapes[0], e.input_shapes[1]
+        kind = "LM head" if n_out == decoder.c.vocab_size else f"({n_out}, {n_in}) matrices"
+        row = rows.setdefault(kind, {"op": kind, "calls": 0, "us": 0.0, "bytes": 0})
+        row["calls"], row["us"] = row["calls"] + 1, row["us"] + e.cpu_time_total
+        row["bytes"] += int(n_out * n_in * per_weight[decoder.weights])
+    c = decoder.c
+    window_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * decoder.window * c.head_dim * 4
+    rest = {"op": f"rest of the graph (attention over {decoder.window} cache slots, norms, RoPE)", "calls": 1,
+            "us": total - sum(r["us"] for r in rows.values()), "bytes": window_bytes}  # fmt: skip
+    out = []
+    for r in [*rows.values(), rest]:
+        floor = floors.floor_s(bytes=r["bytes"]) * 1e6
+        out.append({"op": r["op"], "calls": r["calls"], "ms": round(r["us"] / 1e3, 3), "MB": round(r["bytes"] / 1e6, 2),
+                    "GB/s": round(r["bytes"] / r["us"] / 1e3, 1), "vs floor": round(r["us"] / floor, 2)})  # fmt: skip
+    return out
+
+
+def course_step(model, backend: str | None, weights: str = "fp32", kernels: str = "cpp"):
     """One cached step at position CONTEXT, rewound after each call; backend None = model(ids, cache)."""
     cache = model.new_cache(1, 1024)
     with torch.no_grad():
         model(torch.ones(1, CONTEXT, dtype=torch.long), cache)
-    run = StaticDecoder(model, cache, backend, weights=weights) if backend else (lambda ids: model(ids, cache))
+    run = StaticDecoder(model, cache, backend, weights=weights, kernels=kernels) if backend else None
     ids = torch.ones(1, 1, dtype=torch.long)
 
     def step():
         with torch.no_grad():
-            run(ids)
+            run(ids) if run else model(ids, cache)
         cache.truncate(CONTEXT)
 
-    step.weight_bytes = run.weight_bytes() if backend else None
+    step.weight_bytes = run.weight_bytes() if run else floors.weight_bytes(model)
+    step.decoder = run
     return step
 
 
-def greedy(model, prompt: list[int], weights: str) -> list[int]:
-    """GREEDY_TOKENS greedy tokens after prompt: eager prefill, then StaticDecoder steps with `weights`."""
-    cache = model.new_cache(1, len(prompt) + GREEDY_TOKENS)
+def dequantized(model, weights: str):
+    """A copy of model whose matrices and LM head hold what cpu_kernels' quantized weights compute with."""
+    model = copy.deepcopy(model)
+    quantize = {"int8": cpu_kernels.quantize_q8_0, "int4": cpu_kernels.quantize_q4_1}[weights]
     with torch.no_grad():
-        token = model(torch.tensor([prompt]), cache)[:, -1:].argmax(-1)
-        decoder, out = StaticDecoder(model, cache, "eager", weights=weights), []
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())  # unties the embedding
+        for linear in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
+            linear.weight.copy_(cpu_kernels.dequantize(*quantize(linear.weight)))
+    return model
+
+
+def greedy_check(model, step: StaticDecoder, prompt: list[int], weights: str) -> dict:
+    """A compiled step's greedy tokens against the eager model's on the same (dequantized) weights: the
+    reference decodes and keeps its logits; the step is teacher-forced on the reference's tokens for its
+    logit error, then decodes greedily and must agree up to a near-tie within 2x that error. The step's
+    cache is reused (prefilled again with the prompt: the same window, no new compile), then restored."""
+    ref = model if weights == "fp32" else dequantized(model, weights)
+    with torch.no_grad():
+        cache = ref.new_cache(1, len(prompt) + GREEDY_TOKENS)
+        logits, want = [ref(torch.tensor([prompt]), cache)[0, -1]], []
         for _ in range(GREEDY_TOKENS):
-            out.append(token.item())
-            token = decoder(token)[:, -1:].argmax(-1)
-    return out
+            want.append(logits[-1].argmax().item())
+            logits.append(ref(torch.tensor([[want[-1]]]), cache)[0, -1])
+        runs = {}
+        for forced in (True, False):
+            step.cache.truncate(0)
+            first = ref(torch.tensor([prompt]), step.cache)[0, -1]  # the same prefill as the reference
+            got, out = [], [first]
+            for i in range(GREEDY_TOKENS):
+                got.append(want[i] if forced else out[-1].argmax().item())
+                out.append(step(torch.tensor([[got[-1]]]))[0, -1])
+            runs[forced] = got, out
+        step.cache.truncate(0)
+        model(torch.ones(1, CONTEXT, dtype=torch.long), step.cache)  # back to the benchmark's context
+    err = max((a - b).abs().max().item() for a, b in zip(runs[True][1][1:], logits[1:], strict=True))
+    got = runs[False][0]
+    try:
+        assert_greedy_within(got, want, logits, 2 * err, f"greedy {weights}: compiled cpp step against eager")
+        within = True
+    except AssertionError as e:  # recorded, not raised: the other rows still get measured
+        print(e)
+        within = False
+    return {"equal": sum(a == b for a, b in zip(got, want, strict=True)), "max_logit_error": round(err, 4),
+            "within_bound": within,
+            "first_difference": next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)}  # fmt: skip
 
 
 def hf_step(hf):
@@ -92,11 +158,17 @@ def hf_step(hf):
     return step
 
 
-def llamacpp_step(path: Path):
-    import gguf
+def llamacpp(path: Path, threads: int, n_batch: int = 512):
     from llama_cpp import Llama
 
-    llm = Llama(str(path), n_ctx=1024, n_threads=1, n_threads_batch=1, verbose=False)
+    return Llama(str(path), n_ctx=1024, n_threads=threads, n_threads_batch=threads, n_batch=n_batch,
+                 n_ubatch=n_batch, verbose=False)  # fmt: skip
+
+
+def llamacpp_step(llm, path: Path):
+    import gguf
+
+    llm.reset()
     llm.eval([1] * CONTEXT)
 
     def step():
@@ -105,6 +177,45 @@ def llamacpp_step(path: Path):
 
     step.weight_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)  # the file's tensors, tied once
     return step
+
+
+def llamacpp_prefill(llm, tokens: int):
+    def prefill():
+        llm.reset()  # an empty cache: the whole prompt is computed
+        llm.eval([1] * tokens)
+
+    return prefill
+
+
+def course_prefill(model, tokens: int):
+    ids = torch.ones(1, tokens, dtype=torch.long)
+
+    def prefill():
+        with torch.no_grad():
+            model(ids, model.new_cache(1, tokens))
+
+    return prefill
+
+
+def gguf_files(folder: Path, tmp: Path) -> dict[str, Path]:
+    """{"F32" | "Q8_0" | "Q4_1": GGUF file} of the benchmark's model; {} (with the reason) without llama.cpp."""
+    try:
+        import llama_cpp  # noqa: F401  (before the exports, which take a while)
+    except ImportError as e:
+        print(f"llama.cpp rows left out ({e}); `make llamacpp` installs llama.cpp")
+        return {}
+    if folder == real_model_folder():  # stage 03's exporter writes byte-level BPE vocabularies only
+        from labkit.gguf_model import installed_gguf
+
+        shipped = installed_gguf()
+        return {"F32": requantize(shipped, tmp / "F32", "F32"), "Q8_0": requantize(shipped, tmp / "Q8_0", "Q8_0"),
+                "Q4_1": shipped}  # fmt: skip
+    try:
+        export = load("stage03_quantization.gguf_export")
+        return {mix: export.export_gguf(folder, tmp / f"{mix}.gguf", mix) for mix in ("F32", "Q8_0")}
+    except (NotImplementedError, ValueError) as e:  # a learner's unwritten exporter, or a model it refuses
+        print(f"llama.cpp rows of stage 03's exporter left out ({type(e).__name__}: {e})")
+        return {}
 
 
 def requantize(src: Path, out: Path, mix: str) -> Path:
@@ -122,72 +233,59 @@ def requantize(src: Path, out: Path, mix: str) -> Path:
 
 
 def main(quick: bool = False) -> bench.Result:
-    pin_threads(1)  # llama.cpp runs on one thread too: the comparison is per core
     model, which = bench.model()
     folder = model_folder("MODEL")  # the folder bench.model() read: every row runs these weights
-    fp32_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied embedding once
-    steps = {"labkit.model, eager": course_step(model, None)}
-    steps["StaticDecoder, fused, eager"] = course_step(model, "eager")
-    t0 = time.perf_counter()
-    steps["StaticDecoder, torch.compile"] = course_step(model, "compile")
-    steps["StaticDecoder, torch.compile"]()  # compiles: once per process
-    compile_s = time.perf_counter() - t0
-    for weights in ("int8", "int4"):
-        steps[f"StaticDecoder, torch.compile, {weights}"] = course_step(model, "compile", weights)
+    rows, figures, t0 = [], {"model": which, "context": CONTEXT}, time.perf_counter()
+    pin_threads(1)
+    course = {w: course_step(model, "compile", w) for w in LLAMACPP}
+    for step in course.values():
+        step()  # compiles: once per process, shared by both thread counts (the matvec ops follow torch's threads)
+    figures["compile_s"] = round(time.perf_counter() - t0, 1)
     prompt = bench.tokenizer().encode(PROMPT).ids
-    tokens = {w: greedy(model, prompt, w) for w in ("fp32", "int8", "int4")}
-    from transformers import AutoModelForCausalLM
-
-    steps["Hugging Face transformers"] = hf_step(
-        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    )
+    figures["greedy"] = {w: greedy_check(model, course[w].decoder, prompt, w) for w in LLAMACPP}
+    figures["profile_1_thread"] = {w: profile_step(s) for w, s in course.items()}
+    for w, table in figures["profile_1_thread"].items():
+        print(
+            bench.table(
+                table, title=f"where the compiled cpp {w} step's time goes, 1 thread (floor: bytes / copy rate)"
+            )
+        )
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            import llama_cpp  # noqa: F401  (before the exports, which take a while)
+        files = gguf_files(folder, Path(tmp))
+        for threads in THREADS:
+            pin_threads(threads)  # llama.cpp gets the same count: the comparison is per core
+            steps = {f"StaticDecoder, compiled, cpp {w}": s for w, s in course.items()}
+            if threads == 1:
+                steps["labkit.model, eager"] = course_step(model, None)
+                steps["StaticDecoder, compiled, torch fp32"] = course_step(model, "compile", "fp32", "torch")
+                from transformers import AutoModelForCausalLM
 
-            if folder == real_model_folder():  # stage 03's exporter writes byte-level BPE vocabularies only
-                from labkit.gguf_model import installed_gguf
-
-                for mix in ("F32", "Q8_0"):
-                    steps[f"llama.cpp {mix}"] = llamacpp_step(requantize(installed_gguf(), Path(tmp) / mix, mix))
-                steps["llama.cpp Q4_1 (the shipped file)"] = llamacpp_step(installed_gguf())
-            else:
-                export = load("stage03_quantization.gguf_export")
-                for mix in ("F32", "Q8_0"):
-                    gguf_file = export.export_gguf(folder, Path(tmp) / f"{mix}.gguf", mix)
-                    steps[f"llama.cpp {mix}"] = llamacpp_step(gguf_file)
-        except ImportError as e:
-            print(f"llama.cpp rows left out ({e}); `make llamacpp` installs llama.cpp")
-        except (NotImplementedError, ValueError) as e:  # a learner's unwritten exporter, or a model it refuses
-            print(f"llama.cpp rows of stage 03's exporter left out ({type(e).__name__}: {e})")
-        ops = {name: aten_ops(step) for name, step in steps.items() if not name.startswith("llama.cpp")}
-        times = bench.interleaved(steps, repeats=50 if quick else 300, warmup=10)
-    bandwidth = copy_bandwidth()
-    weight_bytes = {name: step.weight_bytes for name, step in steps.items() if getattr(step, "weight_bytes", None)}
-    cpp = times.get("llama.cpp F32")
-    rows = []
-    for name, t in times.items():
-        floor = weight_bytes.get(name, fp32_bytes) / bandwidth
-        rows.append({"step": name, "ms/step": round(t.median * 1e3, 3),
-                     "vs llama.cpp F32": round(t.median / cpp.median, 2) if cpp else "",
-                     "floor ms": round(floor * 1e3, 3), "vs floor": round(t.median / floor, 2),
-                     "aten ops": ops.get(name, "")})  # fmt: skip
-    print(bench.table(rows, title=f"one cached decode step at context {CONTEXT}, {which}, 1 thread, median"))
-    agree = {w: sum(a == b for a, b in zip(tokens[w], tokens["fp32"], strict=True)) for w in ("int8", "int4")}
-    first = {
-        w: next((i for i, (a, b) in enumerate(zip(tokens[w], tokens["fp32"], strict=True)) if a != b), None)
-        for w in agree
-    }
-    print(
-        f"floor: each row's weight bytes at {bandwidth / 1e9:.1f} GB/s (one-thread {COPY_MB} MB copy, read + write); "
-        f"torch.compile took {compile_s:.0f} s once.\ngreedy tokens equal to fp32's over {GREEDY_TOKENS}: "
-        + ", ".join(f"{w} {agree[w]} (first difference at {first[w]})" for w in agree)
-    )
-    text = bench.tokenizer().decode
-    for w, ids in tokens.items():
-        print(f"{w}: {text(ids)!r}")
-    figures = {"model": which, "context": CONTEXT, "threads": 1, "weight_MB": round(fp32_bytes / 1e6, 2),
-               "copy_GBps": round(bandwidth / 1e9, 2), "compile_s": round(compile_s, 1),
-               "greedy_tokens": GREEDY_TOKENS, "greedy_equal_to_fp32": agree, "first_difference": first,
-               "greedy_text": {w: text(ids) for w, ids in tokens.items()}}  # fmt: skip
+                hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+                steps["Hugging Face transformers"] = hf_step(hf)
+            llms = {mix: llamacpp(path, threads) for mix, path in files.items()}
+            steps.update({f"llama.cpp {mix}": llamacpp_step(llm, files[mix]) for mix, llm in llms.items()})
+            ops = {n: aten_ops(s) for n, s in steps.items() if not n.startswith("llama.cpp")}
+            times = bench.interleaved(steps, repeats=30 if quick else 200, warmup=5)
+            for name, t in times.items():
+                mix = LLAMACPP.get(name.rsplit(" ", 1)[-1], "F32")
+                cpp = times.get(f"llama.cpp {mix}")
+                rows.append({"what": "decode", "threads": threads, "variant": name, "ms": round(t.median * 1e3, 3),
+                             "vs llama.cpp same precision": round(t.median / cpp.median, 2) if cpp else "",
+                             **floors.row(t.median, bytes=steps[name].weight_bytes), "aten ops": ops.get(name, "")})  # fmt: skip
+            prefills = {f"labkit.model {n}": course_prefill(model, n) for n in PREFILLS}
+            if "F32" in files:
+                llm = llamacpp(files["F32"], threads, n_batch=max(PREFILLS))  # n_batch, n_ubatch: the longest prompt
+                prefills.update({f"llama.cpp F32 {n}": llamacpp_prefill(llm, n) for n in PREFILLS})
+            times = bench.interleaved(prefills, repeats=2 if quick else 5, warmup=1)
+            for name, t in times.items():
+                n = int(name.rsplit(" ", 1)[-1])
+                cpp = times.get(f"llama.cpp F32 {n}")
+                rows.append({"what": f"prefill {n}", "threads": threads, "variant": name, "ms": round(t.median * 1e3, 1),
+                             "tokens/s": round(n / t.median), "vs llama.cpp same precision": round(t.median / cpp.median, 2) if cpp else "",
+                             **floors.row(t.median, flops=floors.forward_flops(model, n))})  # fmt: skip
+            figures[f"floors_{threads}_threads"] = floors.figures()
+            del llms, steps, prefills
+    print(bench.table(rows, title=f"decode at context {CONTEXT} and prefill, {which}, median; vs: ratio of times"))
+    print(f"greedy over {GREEDY_TOKENS} tokens, compiled cpp step against the eager model on the same weights: "
+          f"{figures['greedy']}")  # fmt: skip
     return bench.Result(rows, figures)

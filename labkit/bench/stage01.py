@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from labkit import bench, plot
+from labkit.bench import floors
 from labkit.checkpoint import model_folder
 from labkit.device import pin_threads
 from labkit.impl import load
@@ -75,6 +76,10 @@ def run(builds, repeats: int) -> bench.Result:
 
         delta = float(np.abs(numpy_prefill() - torch_prefill()[0].numpy()).max())
         t_torch, t_numpy, ratio = bench.compare(torch_prefill, numpy_prefill, repeats=repeats)
+        if hf.config.model_type == "llama":
+            flops = floors.forward_flops(hf, PREFILL)
+        else:  # GPT-2: 2 FLOPs per parameter per token (its tied embedding is the LM head), attention aside
+            flops = 2 * hf.num_parameters() * PREFILL
         rows.append(
             {
                 "model": label,
@@ -84,6 +89,8 @@ def run(builds, repeats: int) -> bench.Result:
                 "numpy tok/s": PREFILL / t_numpy.median,
                 "numpy/torch": ratio,
                 "max |dlogits|": delta,
+                **floors.row(t_torch.median, flops=flops, name="torch"),
+                **floors.row(t_numpy.median, flops=flops, name="numpy"),
             }
         )
     title = f"Prefill of {PREFILL} tokens, float32, threads={threads} for NumPy's BLAS and for torch"

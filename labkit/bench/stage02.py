@@ -8,11 +8,16 @@ two are timed interleaved in one run (median of repeats). Without a cache each s
 forward pass over ~N tokens; with it, one prefill plus one-token steps. The per-token figure of a
 cached generation includes its prefill, so the cached *step* is also timed on its own: one token
 after N - 1 cached ones, the cache rewound after each (what a learner's decode step costs).
+
+Floors (labkit.bench.floors, this machine's measured rates): without a cache every step's forward
+FLOPs at the GEMM rate; with it, the prefill's FLOPs plus each step's bytes (weights and cache) at the
+copy bandwidth; the cached step, its bytes.
 """
 
 import torch
 
 from labkit import bench, plot
+from labkit.bench import floors
 from labkit.impl import current, load
 from labkit.quality import heldout
 
@@ -50,6 +55,11 @@ def run(model, which: str, tokenizer, lengths, new_tokens: int, repeats: int, st
             warmup=0,
         )
         step = bench.measure(cached_step(model, text[: n - 1]), repeats=step_repeats, warmup=3)
+        p = len(prompt)
+        no_cache_flops = sum(floors.forward_flops(model, p + i) for i in range(new_tokens))
+        cached_floor = floors.floor_s(flops=floors.forward_flops(model, p)) + sum(
+            floors.floor_s(bytes=floors.decode_bytes(model, p + i)) for i in range(1, new_tokens)
+        )
         rows.append(
             {
                 "total_tokens": n,
@@ -62,6 +72,10 @@ def run(model, which: str, tokenizer, lengths, new_tokens: int, repeats: int, st
                 "kv_cache_ms_per_token": cached.median / new_tokens * 1e3,
                 "cached_step_ms": step.median * 1e3,
                 "step_vs_shortest": step.median * 1e3 / (rows[0]["cached_step_ms"] if rows else step.median * 1e3),
+                **floors.row(no_cache.median, flops=no_cache_flops, name="no_cache"),
+                "kv_cache floor ms": round(cached_floor * 1e3, 3),
+                "kv_cache vs floor": round(cached.median / cached_floor, 2),
+                **floors.row(step.median, bytes=floors.decode_bytes(model, n - 1), name="cached_step"),
             }
         )
     print(bench.table(rows, title=f"stage 02: KV cache vs no cache, {which}, impl={current()}, median of {repeats}"))
@@ -80,4 +94,4 @@ def run(model, which: str, tokenizer, lengths, new_tokens: int, repeats: int, st
         )
     ax.set(xlabel="context length (tokens)", ylabel="ms per generated token", yscale="log", title=f"Stage 02: {which}")
     ax.legend()
-    return bench.Result(rows, {"model": which, "repeats": repeats}, fig)
+    return bench.Result(rows, {"model": which, "repeats": repeats, **floors.figures()}, fig)

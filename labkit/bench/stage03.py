@@ -14,7 +14,7 @@ import copy
 import torch
 
 from labkit import bench
-from labkit.bench import compare, decode_step, table
+from labkit.bench import compare, decode_step, floors, table
 from labkit.calibration import calibration_windows
 from labkit.device import pin_threads
 from labkit.impl import load
@@ -73,6 +73,8 @@ def main(quick: bool = False) -> bench.Result:
                 "top-1 agree": round(report.top1_agreement, 4),
                 "tok/s": round(1 / t_cand.median, 1),
                 "speed vs fp32": round(speedup, 2),
+                # the step reads the quantized weights (+ the 64-token cache timing.decode_step holds)
+                **floors.row(t_cand.median, bytes=report.weight_bytes + floors.kv_bytes(fp32, 64), name="decode"),
                 "gate": "pass" if verdict.passed else "BLOCK",
             }
         )

@@ -18,6 +18,7 @@ import torch
 
 import labkit
 from labkit import bench
+from labkit.bench import floors
 from labkit.checkpoint import load_tokenizer
 from labkit.device import pin_threads
 from labkit.impl import load
@@ -92,7 +93,7 @@ def main(quick: bool = False) -> bench.Result:
     ppl_hf = float(np.exp(nll_hf / (len(windows) * (seq - 1))))  # HF's fp32 logits, the same windows
     n_params = sum(p.numel() for p in hf.parameters())
 
-    rows, steps = [], {}
+    rows, steps, step_bytes = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for mix in MIXES:
             path = export.export_gguf(labkit.TARGET, Path(tmp) / f"tiny-target-{mix}.gguf", mix)
@@ -118,6 +119,7 @@ def main(quick: bool = False) -> bench.Result:
                 }
             )
             steps[("llama.cpp", mix)] = llamacpp_decode_step(llm)
+            step_bytes[("llama.cpp", mix)] = size  # the file is its tensors (and a small header)
             print(f"  llama.cpp {mix}: done", flush=True)
 
         fp32 = from_pretrained(labkit.TARGET)
@@ -127,6 +129,8 @@ def main(quick: bool = False) -> bench.Result:
             ("RTN INT4 g128", ql.quantize_model(copy.deepcopy(fp32), "rtn", 4, 128)),
         ):
             steps[("course (PyTorch)", name)] = bench.decode_step(model, CONTEXT)
+            tensors = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}  # tied once
+            step_bytes[("course (PyTorch)", name)] = sum(tensors.values())
             rows.append({"engine": "course (PyTorch)", "format": name, "file MB": "", "bits/weight": "",
                          "ppl": f"{ppl_hf:.4f}" if name == "fp32" else "", "ppl Δ% vs HF": "", "KL vs HF fp32": "",
                          "top-1 agree": ""})  # fmt: skip
@@ -134,6 +138,8 @@ def main(quick: bool = False) -> bench.Result:
     for r in rows:
         r["decode tok/s"] = round(1 / seconds[(r["engine"], r["format"])], 1)
         r["vs course fp32"] = round(seconds[("course (PyTorch)", "fp32")] / seconds[(r["engine"], r["format"])], 2)
+        key = (r["engine"], r["format"])  # floor: the weights' bytes and the cache's at the measured copy rate
+        r.update(floors.row(seconds[key], bytes=step_bytes[key] + floors.kv_bytes(fp32, CONTEXT)))
 
     print(
         bench.table(

@@ -21,6 +21,7 @@ import time
 import torch
 
 from labkit import bench, corpus, plot
+from labkit.bench import floors
 from labkit.checkpoint import load_tokenizer, require_real_model
 from labkit.device import pin_threads
 from labkit.impl import load
@@ -106,6 +107,9 @@ def prefix_ttft(model, tok, n: int) -> list[dict]:
     rows[0]["ttft_speedup"], rows[1]["ttft_speedup"] = 1.0, rows[0]["ttft_p50_ms"] / rows[1]["ttft_p50_ms"]
     for r in rows:
         r["prompt_tokens_p50"] = statistics.median(len(p) for p in prompts[1:])
+        # floor: the FLOPs of the prompt's uncached tokens (after the cached prefix) at the GEMM rate
+        n, cached = int(r["prompt_tokens_p50"]), int(r["cached_tokens_p50"])
+        r |= floors.row(r["ttft_p50_ms"] / 1e3, flops=floors.forward_flops(model, n - cached, cached), name="ttft")
     return rows
 
 

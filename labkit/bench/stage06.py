@@ -20,6 +20,7 @@ import os
 import torch
 
 from labkit import bench, plot
+from labkit.bench import floors
 from labkit.device import pin_threads
 from labkit.impl import current, load
 from labkit.quality import heldout
@@ -99,6 +100,10 @@ def main(quick: bool = False) -> bench.Result:
                 check(hf_generate(hf_target, p, new, hf_draft, k), ref, "HF assisted", k)
 
         warmup = 0 if rows else 1
+        # floor of plain decoding: each prompt's prefill FLOPs, then each token's bytes (weights + cache)
+        plain_floor = sum(floors.floor_s(flops=floors.forward_flops(target, len(p)))
+                          + sum(floors.floor_s(bytes=floors.decode_bytes(target, len(p) + i)) for i in range(new))
+                          for p in prompts)  # fmt: skip
         base, cand, ratio = bench.compare(
             lambda: [target.generate(p, new, stop_at_eos=False) for p in prompts], ours, repeats, warmup
         )
@@ -107,7 +112,9 @@ def main(quick: bool = False) -> bench.Result:
             lambda: [hf_generate(hf_target, p, new) for p in prompts], hf_assisted, max(1, repeats - 1), warmup
         )
         rows.append(_row(k, stats, costs, speedup) | {"plain_s": base.median, "spec_s": cand.median, "speedup": ratio,
-                     "hf_plain_s": hf_base.median, "hf_assist_s": hf_cand.median, "hf_speedup": hf_ratio})  # fmt: skip
+                     "hf_plain_s": hf_base.median, "hf_assist_s": hf_cand.median, "hf_speedup": hf_ratio,
+                     "plain floor s": round(plain_floor, 4), "plain vs floor": round(base.median / plain_floor, 2),
+                     "spec vs plain floor": round(cand.median / plain_floor, 2)})  # fmt: skip
     best = max(rows, key=lambda r: r["speedup"])
     title = (
         f"stage 06: greedy speculative decoding, target {which}, draft {which_draft}, {len(prompts)} prompts x "
@@ -117,6 +124,7 @@ def main(quick: bool = False) -> bench.Result:
     print(f"best: k={best['k']} {best['speedup']:.2f}x (HF assisted at that k: {best['hf_speedup']:.2f}x), same output")
     figures = {"target": which, "draft": which_draft, "prompts": len(prompts), "new_tokens": new,
                "repeats": repeats, "draft_cost_ratio_c": c, "target_step_s": t_step, "best_k": best["k"],
+               "target_step_vs_floor": round(t_step / floors.floor_s(bytes=floors.weight_bytes(target)), 2),
                "best_speedup": best["speedup"]}  # fmt: skip
     return bench.Result(rows, figures, _plot(rows, c))
 

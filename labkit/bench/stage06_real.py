@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from labkit import bench, early_exit, plot
+from labkit.bench import floors
 from labkit.checkpoint import load_tokenizer, require_real_model
 from labkit.device import pin_threads
 from labkit.impl import current, load
@@ -89,12 +90,16 @@ def main(quick: bool = False) -> bench.Result:
         return fn
 
     times = bench.interleaved({name: checked(name, d) for name, d in decoders.items()}, repeats, warmup=0)
+    # plain decoding's floor: each prompt's prefill FLOPs, then each token's weight and cache bytes
+    plain_floor = sum(floors.floor_s(flops=floors.forward_flops(target, len(p)))
+                      + sum(floors.floor_s(bytes=floors.decode_bytes(target, len(p) + i)) for i in range(new))
+                      for p in prompts)  # fmt: skip
     rows = []
     for name, t in times.items():
         base = times["hf plain" if name.startswith("hf") else "plain"].median
         s = stats[name]
         row = {"variant": name, "seconds": t.median, "speedup": base / t.median, "alpha": None, "accept_rate": None,
-               "tok_per_fwd": None}  # fmt: skip
+               "tok_per_fwd": None, "vs plain decoding's floor": round(t.median / plain_floor, 2)}  # fmt: skip
         if s:  # the course's own loops report what they accepted; HF's generate does not
             accepted, rejected = sum(x.accepted for x in s), sum(x.rejected for x in s)
             row |= {"alpha": accepted / max(accepted + rejected, 1),
@@ -109,7 +114,8 @@ def main(quick: bool = False) -> bench.Result:
     ours = [r for r in rows if r["variant"].startswith("early exit")]
     best = max(ours, key=lambda r: r["speedup"])
     figures = {"target": folder.name, "prompts": len(prompts), "new_tokens": new, "repeats": repeats,
-               "draft_layers": depth, "best": best["variant"], "best_speedup": best["speedup"]}  # fmt: skip
+               "draft_layers": depth, "best": best["variant"], "best_speedup": best["speedup"],
+               "plain_floor_s": round(plain_floor, 4)}  # fmt: skip
     return bench.Result(rows, figures, _plot(rows))
 
 

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from labkit import bench, plot
+from labkit.bench import floors
+from labkit.device import pin_threads
 from labkit.distributed import launch
 from labkit.impl import load
 from labkit.specs import H100, LLAMA3_70B
@@ -112,10 +114,15 @@ def main(quick: bool = False) -> bench.Result:
     # The cost model with this machine's numbers: the compute halves, each collective costs alpha.
     predicted_comm = n_collectives * tp2["all_reduce_s"]
     predicted_tp2 = base["step_s"] / 2 + predicted_comm
-    rows = [
-        {"run": label, "ms/token": m["step_s"] * 1e3, "in collectives (ms)": m["comm_s"] * 1e3}
-        for label, m in measured.items()
-    ]
+    # floor: the step's bytes (weights + cache) over the one-thread copy rate times the cores used (2 unless
+    # TP=1 on 1 thread), the best two cores could do if each streamed its share at one core's rate
+    step_bytes = floors.decode_bytes(full, CONTEXT)
+    with pin_threads(1):  # the one-thread rates
+        rows = [
+            {"run": label, "ms/token": m["step_s"] * 1e3, "in collectives (ms)": m["comm_s"] * 1e3,
+             **floors.row(m["step_s"], bytes=step_bytes / (1 if label == "TP=1, 1 thread" else 2))}
+            for label, m in measured.items()
+        ]  # fmt: skip
     rows.append({"run": f"TP=2 predicted (TP=1/2 + {n_collectives} x alpha)", "ms/token": predicted_tp2 * 1e3,
                  "in collectives (ms)": predicted_comm * 1e3})  # fmt: skip
     print(bench.table(rows, title="measured on this CPU (gloo over loopback), median per decode step"))

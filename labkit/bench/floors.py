@@ -1,0 +1,96 @@
+"""The physical floor under a timing: what this machine cannot beat, measured once per process.
+
+A step that must read B bytes cannot take less than B / (the memory bandwidth); a step of F floating
+point operations cannot take less than F / (the machine's GEMM rate). Every benchmark row that quotes a
+time also quotes its floor and the ratio, so a reader sees how far each variant is from the hardware,
+not only from the other variants. One line per row:
+
+    from labkit.bench import floors
+    row.update(floors.row(seconds, bytes=floors.decode_bytes(model, context)))   # decode: bandwidth bound
+    row.update(floors.row(seconds, flops=floors.forward_flops(model, tokens)))   # prefill: compute bound
+    row.update(floors.row(seconds, bytes=..., name="step"))   # {"step floor ms", "step vs floor"}: a 2nd time
+
+row() returns {"floor ms": ..., "vs floor": measured / floor} (with both bytes and flops, the larger
+floor: the step is bound by whichever is slower). figures() is the two measured rates, for the JSON.
+
+Both rates are measured with the threads torch has when first asked (pin_threads first) and cached for
+the process: bandwidth as a copy of COPY_MB between two fresh buffers (bytes read + written per second,
+the figure a streaming kernel can reach), GEMM rate as a GEMM_N-square float32 matmul (2 n^3 FLOPs).
+"""
+
+import functools
+
+import torch
+
+from ..timing import measure
+
+COPY_MB = 512
+GEMM_N = 1024
+
+
+@functools.cache
+def _rates(threads: int) -> tuple[float, float]:
+    src = torch.ones(COPY_MB * 2**20 // 4)
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.numel() * 4 / measure(lambda: dst.copy_(src), repeats=5).median  # the buffers go on return
+    a, b = torch.randn(GEMM_N, GEMM_N), torch.randn(GEMM_N, GEMM_N)
+    flops = 2 * GEMM_N**3 / measure(lambda: a @ b, repeats=5, warmup=2).median
+    return bandwidth, flops
+
+
+def bandwidth() -> float:
+    """Bytes per second (read + written) a copy reaches on torch's current thread count."""
+    return _rates(torch.get_num_threads())[0]
+
+
+def gemm_rate() -> float:
+    """Float32 FLOPs per second of a large matmul on torch's current thread count."""
+    return _rates(torch.get_num_threads())[1]
+
+
+def floor_s(bytes: float = 0, flops: float = 0) -> float:
+    """Seconds a step cannot beat: its bytes at the measured bandwidth or its FLOPs at the GEMM rate, the larger."""
+    return max(bytes / bandwidth() if bytes else 0.0, flops / gemm_rate() if flops else 0.0)
+
+
+def row(seconds: float, bytes: float = 0, flops: float = 0, name: str = "") -> dict:
+    """The two columns a benchmark row adds: {"floor ms", "vs floor"} for a measured time in seconds
+    (prefixed by `name` where a row holds several times)."""
+    floor, prefix = floor_s(bytes, flops), f"{name} " if name else ""
+    return {f"{prefix}floor ms": round(floor * 1e3, 3), f"{prefix}vs floor": round(seconds / floor, 2) if floor else ""}
+
+
+def figures() -> dict:
+    """The measured rates, for a benchmark's JSON figures."""
+    return {"floor_copy_GBps": round(bandwidth() / 1e9, 2), "floor_gemm_GFLOPs": round(gemm_rate() / 1e9, 1),
+            "floor_threads": torch.get_num_threads()}  # fmt: skip
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a batch-1 decode step reads at least: every parameter once (a tied embedding counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes(model, context: int, element_size: int = 4) -> int:
+    """Bytes of keys and values a decode step reads from a cache of `context` positions (float32 by default)."""
+    c = getattr(model, "config", model)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * context * element_size
+
+
+def decode_bytes(model: torch.nn.Module, context: int, batch: int = 1) -> int:
+    """Bytes one decode step of `batch` sequences reads at least: the weights once, each sequence's cache."""
+    return weight_bytes(model) + batch * kv_bytes(model, context)
+
+
+def forward_flops(model, tokens: int, context: int = 0) -> float:
+    """FLOPs of a forward over `tokens` new tokens after `context` cached ones (labkit.model.Llama or a
+    transformers Llama config): 2 per weight per token for the matrices (LM head included, embedding
+    lookup free), plus attention's QK^T and PV, 4 * heads * head_dim per (query, key) pair (causal)."""
+    c = getattr(model, "config", model)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    matrices = c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size
+    pairs = tokens * context + tokens * (tokens + 1) / 2  # (query, key) pairs the causal mask keeps
+    return 2 * matrices * tokens + 4 * c.num_attention_heads * head_dim * pairs * c.num_hidden_layers

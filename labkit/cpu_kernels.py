@@ -1,0 +1,221 @@
+"""Matrix-vector kernels for a batch-1 decode step on an x86 CPU: float32, Q8_0 and Q4_1, in C++ with AVX2.
+
+At batch 1 a decode step is one matrix-vector product per weight matrix, and its floor is the bytes of
+the matrix over the memory bandwidth: a kernel reaches it only if it reads each weight once, in memory
+order, and does the little arithmetic per byte in registers while the next bytes stream in. inductor
+does not produce that loop for quantized weights (it multiplied int8 codes at ~2 GB/s here), so this
+module writes it, as llama.cpp's CPU backend does (ggml's vec_dot_q8_0_q8_0 and vec_dot_q4_1_q8_1):
+
+- the weights are stored (out, in), row after row, in blocks of 32 inputs: Q8_0 has 32 int8 codes and
+  one float16 scale d per block (w ~ d * q); Q4_1 has 32 4-bit codes in 16 bytes (input j of the block
+  in the low nibble of byte j, input j + 16 in the high one), a float16 scale d and a float16 minimum m
+  (w ~ d * q + m): 34 and 20 bytes per 32 weights, llama.cpp's own sizes;
+- the activation x is quantized once per call to int8 blocks of 32 (scale dx, and dx * sum(q) for Q4_1's
+  minimum term), so a block's dot product is 32 int8 x int8 products summed in integer registers
+  (_mm256_maddubs_epi16 multiplies unsigned by signed bytes: for Q8_0 the sign of w moves onto x), then
+  one float multiply-add by d * dx;
+- the rows are split across torch's threads (OpenMP, torch.set_num_threads).
+
+The float32 kernel is the same loop over float32 rows, four rows at a time so that each load of x serves
+four weights. ops() builds the extension on first use (a C++ compiler, ~1 minute, cached in torch's
+extensions folder) and returns None, with a message, where it cannot: no compiler or no AVX2. Each op is
+registered with a shape-only fake so torch.compile calls it from its compiled graph.
+
+    ops = cpu_kernels.ops()
+    codes, scales = cpu_kernels.quantize_q8_0(w)                 # w (out, in) float32
+    y = ops.q8_0_matvec(x, codes, scales)                        # x (B, in) float32 -> (B, out) float32
+"""
+
+import functools
+import platform
+import shutil
+
+import torch
+
+BLOCK = 32
+
+SOURCE = r"""
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+#include <cmath>
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// x (n,) float -> int8 codes q (n,), per block of 32 a scale dx and dx * sum(q): x ~ dx * q
+static void quantize_row(const float* x, int64_t n, int8_t* q, float* dx, float* dsum) {
+  for (int64_t b = 0; b < n / 32; b++) {
+    float amax = 0.f;
+    for (int j = 0; j < 32; j++) amax = std::max(amax, std::fabs(x[b * 32 + j]));
+    float d = amax / 127.f, id = d > 0.f ? 1.f / d : 0.f;
+    int sum = 0;
+    for (int j = 0; j < 32; j++) {
+      q[b * 32 + j] = (int8_t)std::nearbyint(x[b * 32 + j] * id);
+      sum += q[b * 32 + j];
+    }
+    dx[b] = d;
+    dsum[b] = d * sum;
+  }
+}
+
+// 32 unsigned bytes times 32 signed bytes, summed in pairs, then in fours: 8 int32 sums as floats
+static inline __m256 dot_u8_i8(__m256i u, __m256i s) {
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+// the shared frame: B rows of x quantized once, then out rows split over the threads
+template <typename Row>
+static at::Tensor matvec(const at::Tensor& x, int64_t out, const Row& row) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0, "x: (B, in) float32, in % 32 == 0");
+  auto xc = x.contiguous();
+  int64_t B = x.size(0), n = x.size(1), nb = n / 32;
+  auto q = at::empty({B, n}, x.options().dtype(at::kChar));
+  auto d = at::empty({B, 2, nb}, x.options());
+  for (int64_t i = 0; i < B; i++)
+    quantize_row(xc.data_ptr<float>() + i * n, n, q.data_ptr<int8_t>() + i * n, d.data_ptr<float>() + i * 2 * nb,
+                 d.data_ptr<float>() + i * 2 * nb + nb);
+  auto y = at::empty({B, out}, x.options());
+  at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = 0; i < B; i++) {
+      const int8_t* qi = q.data_ptr<int8_t>() + i * n;
+      const float* di = d.data_ptr<float>() + i * 2 * nb;
+      for (int64_t r = r0; r < r1; r++) y.data_ptr<float>()[i * out + r] = row(r, nb, qi, di, di + nb);
+    }
+  });
+  return y;
+}
+
+at::Tensor q8_0_matvec(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.scalar_type() == at::kChar && scales.scalar_type() == at::kHalf && codes.is_contiguous() &&
+              scales.is_contiguous() && codes.size(1) == x.size(1), "codes (out, in) int8, scales (out, in / 32) float16");
+  const int8_t* w = codes.data_ptr<int8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  return matvec(x, codes.size(0), [&](int64_t r, int64_t nb, const int8_t* qx, const float* dx, const float*) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+      __m256i qw = _mm256_loadu_si256((const __m256i*)(w + (r * nb + b) * 32));
+      __m256i qb = _mm256_loadu_si256((const __m256i*)(qx + b * 32));
+      __m256 p = dot_u8_i8(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qb, qw));  // |w| * (x with w's sign)
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(s[r * nb + b]) * dx[b]), p, acc);
+    }
+    return hsum(acc);
+  });
+}
+
+at::Tensor q4_1_matvec(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && scales.scalar_type() == at::kHalf && mins.scalar_type() == at::kHalf &&
+              packed.is_contiguous() && scales.is_contiguous() && mins.is_contiguous() && packed.size(1) * 2 == x.size(1),
+              "packed (out, in / 2) uint8, scales and mins (out, in / 32) float16");
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  const uint16_t* m = reinterpret_cast<const uint16_t*>(mins.data_ptr());
+  return matvec(x, packed.size(0), [&](int64_t r, int64_t nb, const int8_t* qx, const float* dx, const float* dsum) {
+    __m256 acc = _mm256_setzero_ps();
+    float minimums = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+      __m128i p = _mm_loadu_si128((const __m128i*)(w + (r * nb + b) * 16));
+      __m256i qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p), _mm256_set1_epi8(0x0F));
+      __m256i qb = _mm256_loadu_si256((const __m256i*)(qx + b * 32));
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(s[r * nb + b]) * dx[b]), dot_u8_i8(qw, qb), acc);
+      minimums += _cvtsh_ss(m[r * nb + b]) * dsum[b];  // m * sum(x) over the block
+    }
+    return hsum(acc) + minimums;
+  });
+}
+
+at::Tensor f32_matvec(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.is_contiguous() &&
+              w.size(1) == x.size(1) && x.size(1) % 8 == 0 && w.size(0) % 4 == 0, "x (B, in), w (out, in) float32");
+  auto xc = x.contiguous();
+  int64_t B = x.size(0), n = x.size(1), out = w.size(0);
+  auto y = at::empty({B, out}, x.options());
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, out / 4, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t i = 0; i < B; i++) {
+      const float* xi = xc.data_ptr<float>() + i * n;
+      for (int64_t g = g0; g < g1; g++) {
+        const float* w0 = wp + 4 * g * n;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t k = 0; k < n; k += 8) {
+          __m256 xk = _mm256_loadu_ps(xi + k);
+          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xk, a0);
+          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + n + k), xk, a1);
+          a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + 2 * n + k), xk, a2);
+          a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + 3 * n + k), xk, a3);
+        }
+        float* yi = y.data_ptr<float>() + i * out + 4 * g;
+        yi[0] = hsum(a0), yi[1] = hsum(a1), yi[2] = hsum(a2), yi[3] = hsum(a3);
+      }
+    }
+  });
+  return y;
+}
+
+TORCH_LIBRARY(labkit_cpu, m) {
+  m.def("q8_0_matvec(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("q4_1_matvec(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
+  m.def("f32_matvec(Tensor x, Tensor w) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(labkit_cpu, CPU, m) {
+  m.impl("q8_0_matvec", &q8_0_matvec);
+  m.impl("q4_1_matvec", &q4_1_matvec);
+  m.impl("f32_matvec", &f32_matvec);
+}
+"""
+
+
+@functools.cache
+def ops():
+    """torch.ops.labkit_cpu (q8_0_matvec, q4_1_matvec, f32_matvec), built on first use; None where it cannot be."""
+    if platform.machine() not in ("x86_64", "AMD64") or torch.backends.cpu.get_cpu_capability() == "DEFAULT":
+        print("labkit.cpu_kernels: this CPU has no AVX2; the decode step uses PyTorch's kernels")
+        return None
+    if not shutil.which("c++"):
+        print("labkit.cpu_kernels: no C++ compiler (c++) on PATH; the decode step uses PyTorch's kernels")
+        return None
+    from torch.utils.cpp_extension import load_inline
+
+    print("labkit.cpu_kernels: loading the AVX2 matrix-vector kernels (the first time, a minute to compile them)")
+    flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
+    load_inline("labkit_cpu", SOURCE, extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
+    for name in ("q8_0_matvec", "q4_1_matvec", "f32_matvec"):  # shapes only, for torch.compile's tracing
+        torch.library.register_fake(f"labkit_cpu::{name}")(lambda x, w, *rest: x.new_empty(x.shape[0], w.shape[0]))
+    return torch.ops.labkit_cpu
+
+
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, in) float -> (codes (out, in) int8, scales (out, in / 32) float16): w ~ codes * scale, per block of 32."""
+    out, inp = w.shape
+    blocks = w.float().reshape(out, inp // BLOCK, BLOCK)
+    scales = (blocks.abs().amax(-1) / 127).half()
+    codes = torch.round(blocks / scales.float().clamp(min=1e-30)[..., None]).clamp(-127, 127)
+    return codes.to(torch.int8).reshape(out, inp), scales
+
+
+def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, in) float -> (packed (out, in / 2) uint8, scales, mins (out, in / 32) float16): w ~ code * d + m,
+    the grid spanning each block's [min, max] in 15 steps, d and m rounded to float16 before codes are chosen."""
+    out, inp = w.shape
+    blocks = w.float().reshape(out, inp // BLOCK, BLOCK)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    scales, mins = ((hi - lo) / 15).half(), lo.half()
+    codes = torch.round((blocks - mins.float()[..., None]) / scales.float().clamp(min=1e-30)[..., None])
+    codes = codes.clamp(0, 15).to(torch.uint8)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)  # byte j: input j (low nibble), input j + 16 (high)
+    return packed.reshape(out, inp // 2), scales, mins
+
+
+def dequantize(*weights: torch.Tensor) -> torch.Tensor:
+    """quantize_q8_0's or quantize_q4_1's output -> the (out, in) float32 weights the kernels compute with."""
+    if len(weights) == 2:
+        codes, scales = weights
+        return (codes.float().unflatten(1, (-1, BLOCK)) * scales.float()[..., None]).flatten(1)
+    packed, scales, mins = weights
+    blocks = packed.unflatten(1, (-1, BLOCK // 2))
+    codes = torch.cat([blocks & 15, blocks >> 4], -1).float()
+    return (codes * scales.float()[..., None] + mins.float()[..., None]).flatten(1)
