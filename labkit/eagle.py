@@ -70,13 +70,20 @@ class EagleHead(nn.Module):
 
 
 def attach(target: Llama, vocab: torch.Tensor, seed: int = 0) -> EagleHead:
-    """A fresh head on `target`: the layer starts as a copy of the target's last decoder layer, fc as
-    a small random projection (seeded), in the target's dtype."""
-    torch.manual_seed(seed)
+    """A fresh head on `target`, in its dtype, that starts by predicting f_{t+1} = f_t: fc copies the
+    feature half of its input, and the layer's output projections (o_proj, down_proj) are zero, so the
+    layer adds nothing until training makes it. Its other weights are small and random (seeded)."""
+    gen = torch.Generator().manual_seed(seed)
     head = EagleHead(target, vocab)
-    head.layer.load_state_dict(target.model.layers[-1].state_dict())
-    nn.init.normal_(head.fc.weight, std=0.02)
-    nn.init.zeros_(head.fc.bias)
+    H = head.config.hidden_size
+    with torch.no_grad():
+        for name, p in head.layer.named_parameters():
+            if "norm" not in name:
+                p.copy_(
+                    torch.randn(p.shape, generator=gen) * 0.02 if "o_proj" not in name and "down" not in name else 0
+                )
+        head.fc.weight.copy_(torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1))
+        head.fc.bias.zero_()
     p = target.lm_head.weight
     return head.to(dtype=p.dtype, device=p.device)
 
@@ -87,22 +94,23 @@ def save(head: EagleHead, path: str | os.PathLike, report: dict | None = None) -
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = {"hidden_size": head.config.hidden_size, "vocab": head.vocab.tolist(), **(report or {})}
+    config = {"hidden_size": head.config.hidden_size, "token_ids": head.vocab.tolist(), **(report or {})}
     (path / "config.json").write_text(json.dumps(config) + "\n")
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()}
     save_file(state, str(path / "model.safetensors"))
 
 
-def load(path: str | os.PathLike, target: Llama, vocab_size: int | None = None) -> EagleHead:
+def load(path: str | os.PathLike, target: Llama, vocab_size: int | None = None, full_vocab: bool = False) -> EagleHead:
     """A head saved by `save`, on `target`, in its dtype; `vocab_size` keeps only that many of its
-    most frequent tokens (None: all it was trained with)."""
+    most frequent tokens (None: all it was trained with), `full_vocab` gives it the target's whole LM head."""
     from safetensors.torch import load_file
 
     path = Path(path)
     config = json.loads((path / "config.json").read_text())
     if config["hidden_size"] != target.config.hidden_size:
         raise ValueError(f"{path}: a head for hidden size {config['hidden_size']}, not {target.config.hidden_size}")
-    head = EagleHead(target, torch.tensor(config["vocab"][:vocab_size]))
+    vocab = torch.arange(target.config.vocab_size) if full_vocab else torch.tensor(config["token_ids"][:vocab_size])
+    head = EagleHead(target, vocab)
     state = load_file(str(path / "model.safetensors"))
     head.load_state_dict({k: v.to(target.lm_head.weight.dtype) for k, v in state.items()}, strict=True)
     return head.eval()

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from . import ASSETS, DRAFT, LORA, TARGET, corpus, eagle, eagle_data, medusa, quality
 from .checkpoint import load_tokenizer
 from .device import pin_threads
-from .model import Config, Llama, from_pretrained, init_weights, save
+from .model import Config, Llama, apply_rope, causal_mask, from_pretrained, grouped_attention, init_weights, save
 
 VOCAB = 2048
 SEQ = 512
@@ -187,7 +187,7 @@ def train_medusa(target: Llama, tokenizer, steps: int = 400, batch: int = 1024, 
 
 
 EAGLE_DATA = Path("~/.cache/llm-course/eagle-data").expanduser()  # SmolLM2's answers and features, not shipped
-EAGLE_VOCAB = 8192  # the draft's LM head: this many most frequent tokens of the training data
+EAGLE_VOCAB = 4096  # the draft's LM head: this many most frequent tokens of the training data
 EAGLE_LR = 1e-3  # peak; only fc and the layer train, the target is frozen
 EAGLE_NOISE = 0.2  # uniform noise on the input features (EAGLE's augmentation), relative to their std
 EAGLE_CE = 0.1  # weight of the token loss beside the feature regression (the EAGLE paper's)
@@ -253,6 +253,33 @@ def eagle_acceptance(head: eagle.EagleHead, rows, k: int = 4, stride: int = 4) -
     }
 
 
+def eagle_second_step(head: eagle.EagleHead, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+    """The draft's second step at every position at once (EAGLE-3's training-time test, one step deep).
+
+    x1: (B, T, H) fc outputs of the teacher-forced pass (true features); x2: (B, T, H) fc outputs whose
+    feature half is the draft's own prediction. Position j of x2 attends to x1's positions before j and to
+    itself, as at inference, where the cache holds true features and only the newest input is predicted."""
+    layer, c = head.layer, head.config
+    B, T, _ = x1.shape
+    cos, sin = head.target[0].rope(0, T)
+
+    def qkv(h):
+        a = layer.self_attn
+        q = a.q_proj(h).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = a.k_proj(h).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = a.v_proj(h).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q, k = a.norm_qk(q, k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    _, k1, v1 = qkv(layer.input_layernorm(x1))
+    q2, k2, v2 = qkv(layer.input_layernorm(x2))
+    earlier = torch.ones(T, T, dtype=torch.bool).tril(-1)
+    mask = torch.cat([earlier, torch.eye(T, dtype=torch.bool)], dim=1)  # (T, 2T): true past, own input
+    y = grouped_attention(q2, torch.cat([k1, k2], 2), torch.cat([v1, v2], 2), mask)
+    x = x2 + layer.self_attn.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
 def train_eagle(steps: int, batch: int = 8, seed: int = 4) -> dict:
     """Self-distillation: SmolLM2 answers prompts written in labkit.eagle_data (generated once into EAGLE_DATA),
     then fc and the layer learn to predict its next feature (smooth L1) and, through its LM head restricted to
@@ -282,9 +309,15 @@ def train_eagle(steps: int, batch: int = 8, seed: int = 4) -> dict:
         picks = torch.randint(0, len(rows), (batch,), generator=gen).tolist()
         feats, nxt, goal, labels, real = eagle_batch(rows, picks, index_of)
         noise = (torch.rand(feats.shape, generator=gen) - 0.5) * 2 * EAGLE_NOISE * scale
-        pred = head(feats + noise, nxt)
-        regression = F.smooth_l1_loss(pred[real], goal[real])
-        ce = F.cross_entropy((pred @ head.lm_head_weight.T).flatten(0, 1), labels.flatten())
+        x1 = head.fc(torch.cat([feats + noise, head.embed(nxt)], dim=-1))
+        pred = head.layer(x1, *head.target[0].rope(0, x1.shape[1]), causal_mask(0, x1.shape[1]))
+        # step 2 reads the step-1 prediction of its own feature (position 0 has none: it keeps the true one)
+        own = torch.cat([feats[:, :1], pred[:, :-1].detach()], dim=1)
+        pred2 = eagle_second_step(head, x1, head.fc(torch.cat([own, head.embed(nxt)], dim=-1)))
+        regression = ce = 0
+        for p in (pred, pred2):
+            regression = regression + F.smooth_l1_loss(p[real], goal[real]) / 2
+            ce = ce + F.cross_entropy((p @ head.lm_head_weight.T).flatten(0, 1), labels.flatten()) / 2
         loss = regression + EAGLE_CE * ce
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -292,6 +325,8 @@ def train_eagle(steps: int, batch: int = 8, seed: int = 4) -> dict:
         opt.step()
         if step % 25 == 0 or step == steps - 1:
             log.append({"step": step, "regression": round(regression.item(), 4), "ce": round(ce.item(), 4)})
+        if (step + 1) % 100 == 0 and step < steps - 1:  # a head to ship if the run is stopped early
+            eagle.save(head, eagle.REAL_EAGLE, {"steps": step + 1, "batch": batch, "loss_log": log, "unfinished": True})
             print(
                 f"  step {step:4d}/{steps}  smooth-L1 {regression.item():.4f}  CE {ce.item():.3f}  {time.time() - t0:6.0f}s",
                 flush=True,
