@@ -6,7 +6,7 @@ the target answers each greedily (batched, left-padded), and every position keep
 final normed hidden state (the LM head's input), the feature the draft regresses on. Held-out
 prompts use subjects no training prompt names.
 
-    python -m labkit.eagle_data OUT_DIR [--train 800] [--heldout 40]   # one shard per batch
+    python -m labkit.eagle_data OUT_DIR [--train 768] [--heldout 40] [--shards N]   # one shard per 64 prompts
 """
 
 import argparse
@@ -135,8 +135,9 @@ def answer(model: Llama, batch: list[list[int]], max_new: int, eos: int) -> tupl
     return rows, row_feats
 
 
-def generate(out: Path, texts: list[str], name: str, batch: int = 64, max_new: int = 128) -> None:
-    """Answer `texts` in batches of similar length; write out/NAME-NNN.pt shards ({ids, feats}), skipping done ones."""
+def generate(out: Path, texts: list[str], name: str, shards: int | None = None, batch: int = 64, max_new: int = 128):
+    """Answer `texts` in batches of similar length, shortest prompts first; write the first `shards` (None: all)
+    as out/NAME-NNN.pt ({ids, feats}), skipping those already there."""
     folder = require_real_model()
     tok, model = load_tokenizer(folder), from_pretrained(folder).eval()
     eos = model.config.eos_token_id
@@ -144,6 +145,8 @@ def generate(out: Path, texts: list[str], name: str, batch: int = 64, max_new: i
     out.mkdir(parents=True, exist_ok=True)
     t0, n_tokens = time.time(), 0
     for shard, i in enumerate(range(0, len(encoded), batch)):
+        if shards is not None and shard >= shards:
+            break
         path = out / f"{name}-{shard:03d}.pt"
         if path.exists():
             continue
@@ -156,11 +159,12 @@ def generate(out: Path, texts: list[str], name: str, batch: int = 64, max_new: i
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--train", type=int, default=800)
+    ap.add_argument("--train", type=int, default=768)
     ap.add_argument("--heldout", type=int, default=40)
+    ap.add_argument("--shards", type=int, help="answer only the first SHARDS batches of training prompts")
     args = ap.parse_args(argv)
     generate(args.out, prompts(args.heldout, heldout=True), "heldout")
-    generate(args.out, prompts(args.train), "train")
+    generate(args.out, prompts(args.train), "train", args.shards)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@
     python -m labkit.train --only draft
     python -m labkit.train --only medusa  # Medusa heads on the shipped target (14 min on a busy 2-core VM)
     python -m labkit.train --only lora    # the three LoRA adapters of stage 04 part 2 (2–6 min each on a busy 2-core VM)
+    python -m labkit.train --only eagle   # SmolLM2's EAGLE head (needs make setup; see below for the time it takes)
 
 Writes Hugging Face folders labkit/assets/tiny-target and labkit/assets/tiny-draft (bf16 weights,
 one shared byte-level BPE tokenizer) and labkit/assets/training_report.json with the figures the
@@ -15,6 +16,10 @@ from its frozen hidden states, and go to labkit/assets/tiny-target-medusa.
 The LoRA adapters (labkit/assets/lora/NAME, PEFT folders: adapter_config.json and
 adapter_model.safetensors) fine-tune the target through `peft` on stories rewritten one way each,
 so a learner sees which adapter served a request: a character name, a style, a topic.
+
+The EAGLE head of SmolLM2-135M-Instruct (labkit/eagle.py, stage 06 part 2) is trained on SmolLM2's own
+greedy answers to prompts written in labkit/eagle_data.py (generated once into EAGLE_DATA, outside the
+repository) and goes to labkit/assets/smollm2-eagle, its training report in its config.json.
 """
 
 import argparse
@@ -193,10 +198,11 @@ EAGLE_NOISE = 0.2  # uniform noise on the input features (EAGLE's augmentation),
 EAGLE_CE = 0.1  # weight of the token loss beside the feature regression (the EAGLE paper's)
 
 
-def eagle_rows(folder: Path, name: str) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """(ids (L,), feats (L - 1, H) float32, where the answer starts) per answered prompt in folder/NAME-*.pt."""
+def eagle_rows(folder: Path, name: str, shards: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """(ids (L,), feats (L - 1, H) float32, where the answer starts) per answered prompt in the first
+    `shards` (None: all) of folder/NAME-*.pt."""
     rows = []
-    for shard in sorted(folder.glob(f"{name}-*.pt")):
+    for shard in sorted(folder.glob(f"{name}-*.pt"))[:shards]:
         data = torch.load(shard)
         for ids, feats in zip(data["ids"], data["feats"], strict=True):
             answer = max(i for i, t in enumerate(ids) if t == 1) + 4  # after "<|im_start|>assistant\n"
@@ -280,18 +286,17 @@ def eagle_second_step(head: eagle.EagleHead, x1: torch.Tensor, x2: torch.Tensor)
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def train_eagle(steps: int, batch: int = 8, seed: int = 4) -> dict:
+def train_eagle(steps: int, shards: int, batch: int = 8, seed: int = 4) -> dict:
     """Self-distillation: SmolLM2 answers prompts written in labkit.eagle_data (generated once into EAGLE_DATA),
     then fc and the layer learn to predict its next feature (smooth L1) and, through its LM head restricted to
     the EAGLE_VOCAB most frequent tokens, its next token (cross-entropy). Saves to labkit.eagle.REAL_EAGLE."""
     from .checkpoint import require_real_model
 
-    if not list(EAGLE_DATA.glob("train-*.pt")):
-        eagle_data.main([str(EAGLE_DATA)])
+    eagle_data.main([str(EAGLE_DATA), "--shards", str(shards)])  # answers only what is not there yet
     target = from_pretrained(require_real_model()).eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    rows, heldout = eagle_rows(EAGLE_DATA, "train"), eagle_rows(EAGLE_DATA, "heldout")
+    rows, heldout = eagle_rows(EAGLE_DATA, "train", shards), eagle_rows(EAGLE_DATA, "heldout")
     counts = torch.bincount(torch.cat([r[0] for r in rows]), minlength=target.config.vocab_size)
     vocab = counts.argsort(descending=True, stable=True)[: min(EAGLE_VOCAB, int((counts > 0).sum()))]
     index_of = torch.full((target.config.vocab_size,), -100)
@@ -444,7 +449,8 @@ def main(argv=None):
     ap.add_argument("--lora-steps", type=int, default=60)
     ap.add_argument("--target-steps", type=int, default=300)
     ap.add_argument("--draft-steps", type=int, default=300)
-    ap.add_argument("--eagle-steps", type=int, default=1500)
+    ap.add_argument("--eagle-steps", type=int, default=400)
+    ap.add_argument("--eagle-shards", type=int, default=4, help="batches of 64 training prompts SmolLM2 answers")
     ap.add_argument("--threads", type=int, help="torch threads (1 trains faster on a busy machine)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -458,7 +464,7 @@ def main(argv=None):
         print(json.dumps(report["medusa"], indent=2))
         return
     if args.only == "eagle":
-        report["smollm2_eagle"] = train_eagle(args.eagle_steps)
+        report["smollm2_eagle"] = train_eagle(args.eagle_steps, args.eagle_shards)
         report_file.write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps(report["smollm2_eagle"], indent=2))
         return

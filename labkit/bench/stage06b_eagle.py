@@ -14,7 +14,17 @@ generate is timed beside it. All variants run interleaved in one process, median
 - the cost breakdown: a draft step (one position through fc, the layer and the reduced LM head) and
   a verification over k + 1 tokens, both in units of one plain target step, which is what decides
   whether the accepted tokens pay: speedup ~ (accepted + 1) / (verify + k * draft) in those units;
-- the same head with the target's whole 49,152-token LM head, for what the reduced vocabulary buys.
+- the same head with the target's whole 49,152-token LM head, for what the reduced vocabulary buys;
+- inside stage 06's batching engine (batch_engine.py, every request submitted at once), the EAGLE
+  head as its proposer at fixed k and with choose_k (the acceptance-aware policy, on costs measured
+  here), against the same engine without speculation, at a few concurrencies (stage06b.sweep: its
+  outputs must equal the target's greedy decoding).
+
+Hugging Face's assisted generation cannot take this draft: transformers 5.23's candidate generators
+take a standalone causal LM (`assistant_model`), the model's own MTP layers (`num_mtp_layers` in its
+config; SmolLM2 has none) or a cross-attending assistant (SinglePositionMultiTokenCandidateGenerator);
+an EAGLE head is none of these (it reads the target's features, which assisted generation does not
+hand to an assistant).
 
 Whether each variant emits exactly the compiled baseline's tokens is recorded per prompt (a verification
 over k + 1 tokens sums in another order than a one-token step, so a near-tie may flip).
@@ -29,7 +39,10 @@ from labkit.fast_decode import StaticDecoder
 from labkit.impl import current, load
 from labkit.testing import real_labkit
 
+from .stage06b import crossover, sweep
+
 K = 4
+ENGINE_CONCURRENCY = [1, 2, 4]
 
 
 def compiled_greedy(target, max_len: int):
@@ -65,7 +78,7 @@ def draft_step(eg, head, context: int = 96):
 def main(quick: bool = False) -> bench.Result:
     eg = load("stage06_speculative.eagle")
     pin_threads(1)
-    n_prompts, new, repeats = (2, 32, 1) if quick else (4, 64, 3)
+    n_prompts, new, repeats = (2, 32, 1) if quick else (3, 48, 2)
     folder = require_real_model()
     target, tok = real_labkit(), load_tokenizer(folder)
     heads = {"EAGLE": eagle.load(eagle.REAL_EAGLE, target), "EAGLE, full LM head": eagle.load(eagle.REAL_EAGLE, target, full_vocab=True)}  # fmt: skip
@@ -103,7 +116,7 @@ def main(quick: bool = False) -> bench.Result:
     fns = {"plain, compiled step": lambda: [plain(p, new) for p in prompts]}
     fns["plain, eager model"] = lambda: [target.generate(p, new, stop_at_eos=False) for p in prompts]
     fns |= {name: timed(name) for name in runs}
-    times = bench.interleaved(fns, repeats, warmup=0 if quick else 1)
+    times = bench.interleaved(fns, repeats, warmup=0)  # the reference run above compiled the plain step
 
     def compiled_step():
         decoder(torch.ones(1, 1, dtype=torch.long))
@@ -137,6 +150,12 @@ def main(quick: bool = False) -> bench.Result:
             "speedup": base / times[name].median,
         })  # fmt: skip
     cost_rows = {name: round(t.median / unit, 3) for name, t in costs.items()}
+    eng = load("stage06_speculative.batch_engine")
+    engine_prompts = [tok.encode(p).ids for p in eagle_data.prompts(max(ENGINE_CONCURRENCY), heldout=True)]
+    engine_costs = eng.Costs.measure(target, heads["EAGLE"], ENGINE_CONCURRENCY, k_max=K)
+    engine_rows = sweep(target, heads["EAGLE"], engine_prompts, 16 if quick else 32, ENGINE_CONCURRENCY, K,
+                        engine_costs, repeats=1, k_max=K, warmup=0)  # fmt: skip
+    print(bench.table(engine_rows, title=f"EAGLE inside the batching engine, k = {K} fixed or choose_k up to {K}"))
     title = (
         f"stage 06b EAGLE: SmolLM2-135M-Instruct, head {eagle.REAL_EAGLE.name} "
         f"(vocab {len(heads['EAGLE'].vocab)}), {len(prompts)} held-out prompts x {new} tokens, greedy, "
@@ -150,7 +169,8 @@ def main(quick: bool = False) -> bench.Result:
     )
     figures = {"prompts": len(prompts), "new_tokens": new, "repeats": repeats, "k": K,
                "target_step_compiled_s": unit, "costs_in_compiled_target_steps": cost_rows,
-               "head_vocab": len(heads["EAGLE"].vocab)}  # fmt: skip
+               "head_vocab": len(heads["EAGLE"].vocab), "engine": engine_rows,
+               "engine_crossover_fixed_k": crossover(engine_rows), "engine_crossover_adaptive": crossover(engine_rows, "adaptive_speedup")}  # fmt: skip
     return bench.Result(rows, figures, _plot(rows))
 
 
