@@ -15,11 +15,16 @@ def make_target(config: str, seed: int, **overrides):
 
 
 def random_head(target, seed: int, vocab: torch.Tensor | None = None) -> eagle.EagleHead:
-    """A head with random fc weights large enough that its guesses depend on the features it reads."""
+    """A head with random weights everywhere (attach leaves the layer's output projections at zero, which
+    would hide the attention), large enough that its guesses depend on the features and context it reads."""
     vocab = torch.arange(target.config.vocab_size) if vocab is None else vocab
     head = eagle.attach(target, vocab, seed)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        head.fc.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(seed))
+        head.fc.weight.normal_(0, 0.3, generator=gen)
+        for name, p in head.layer.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.2, generator=gen)
     return head.eval()
 
 

@@ -303,9 +303,9 @@ MUTANTS = [
     ),
     dict(
         file="eagle.py",
-        find="q.append(warp(logits, temperature, top_p))",
-        replace="q.append(torch.softmax(logits, -1))",
-        bug="propose samples from the draft's unwarped distribution (temperature and top-p ignored)",
+        find="            q.append(warp(logits, temperature, top_p))\n            drafted.append(sample(q[-1], generator))",
+        replace="            q.append(torch.softmax(logits, -1))\n            drafted.append(sample(warp(logits, temperature, top_p), generator))",
+        bug="propose samples from the warped distribution but hands the verification the unwarped one",
     ),
     # eagle.py: verify
     dict(
