@@ -22,9 +22,10 @@ def random_head(target, seed: int, vocab: torch.Tensor | None = None) -> eagle.E
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         head.fc.weight.normal_(0, 0.3, generator=gen)
+        head.fc.weight[:, target.config.hidden_size :] *= 10  # embeddings are ~0.1, features ~1: weigh both alike
         for name, p in head.layer.named_parameters():
             if "norm" not in name:
-                p.normal_(0, 0.2, generator=gen)
+                p.normal_(0, 0.05, generator=gen)
     return head.eval()
 
 
