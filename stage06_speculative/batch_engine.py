@@ -3,7 +3,10 @@
 Every step: admit waiting requests while the block pool has room, pick each running sequence's
 k (fixed, or choose_k from its measured acceptance and the batch size), draft k tokens per
 sequence with the draft model (one batched draft forward per draft position), verify all drafts in
-one target forward (verify_batch), then retire the sequences that are done. Sequences join and
+one target forward (verify_batch), then retire the sequences that are done. The draft may instead be
+an EAGLE head (labkit.eagle.EagleHead, lab4): it drafts per sequence from the target features that
+the last verification produced, in a small contiguous cache of its own, and a sequence drafts
+nothing until one verification has given it features. Sequences join and
 leave between steps, so the batch is ragged: sequences differ in length, in k, in accepted count.
 
 KV lives in two paged stores (labkit.paged), one per model. Invariant between steps, for every
@@ -21,8 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from labkit import paged, timing
-from labkit.model import Llama
+from labkit.eagle import EagleHead
+from labkit.model import KVCache, Llama
 
+from . import eagle
 from .batch_verify import choose_k, verify_batch
 from .sampling import sample, warp
 
@@ -41,7 +46,8 @@ class Costs:
         between two measured ones takes the larger one's cost."""
         seconds = {}
         for B in batch_sizes:
-            steps = {("draft", 1): _paged_step(draft, B, context, 1)}
+            one = _eagle_step(draft, B, context) if isinstance(draft, EagleHead) else _paged_step(draft, B, context, 1)
+            steps = {("draft", 1): one}
             steps |= {("target", T): _paged_step(target, B, context, T) for T in range(1, k_max + 2)}
             seconds |= {(B, *name): t.median for name, t in timing.interleaved(steps, 3, warmup=1).items()}
 
@@ -67,6 +73,31 @@ def _paged_step(model: Llama, B: int, context: int, T: int):
             store.truncate(s, context)
 
     return step
+
+
+def _eagle_step(head: EagleHead, B: int, context: int):
+    """A callable running one EAGLE draft step for each of B sequences (the engine drafts them one by one)."""
+    H = head.config.hidden_size
+    caches = [head.new_cache(context + 1) for _ in range(B)]
+    for cache in caches:
+        eagle.draft_forward(head, cache, torch.zeros(context, H), torch.ones(context, dtype=torch.long))
+
+    def step():
+        for cache in caches:
+            eagle.draft_forward(head, cache, torch.zeros(1, H), torch.ones(1, dtype=torch.long))
+            cache.truncate(context)
+
+    return step
+
+
+@dataclass
+class EagleState:
+    """One sequence's EAGLE draft: its cache (positions read from true features) and the true features
+    of the positions after them, with the token after each, that it has not read yet."""
+
+    cache: KVCache
+    feats: list[torch.Tensor] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -98,7 +129,7 @@ class SpecBatchEngine:
     def __init__(
         self,
         target: Llama,
-        draft: Llama | None = None,
+        draft: Llama | EagleHead | None = None,
         k: int = 4,
         costs: Costs | None = None,
         num_blocks: int = 256,
@@ -118,7 +149,10 @@ class SpecBatchEngine:
         self.k_max = k if draft is not None else 0
         self.costs = costs
         self.store = paged.PagedKVStore(target, num_blocks, block_size)
-        self.draft_store = paged.PagedKVStore(draft, num_blocks, block_size) if draft is not None else None
+        self.eagle = draft if isinstance(draft, EagleHead) else None
+        self.eagle_states: dict[int, EagleState] = {}
+        paged_draft = draft is not None and self.eagle is None
+        self.draft_store = paged.PagedKVStore(draft, num_blocks, block_size) if paged_draft else None
         self.max_batch, self.temperature, self.top_p, self.eos_id = max_batch, temperature, top_p, eos_id
         self.generator = torch.Generator().manual_seed(seed)
         self.waiting: deque[Sequence] = deque()
@@ -167,10 +201,16 @@ class SpecBatchEngine:
         ks = self.plan()
         seqs = self.running
         drafts, q = self.propose(seqs, ks)
+        unread = [len(s.tokens) - self.store.length(s.seq_id) for s in seqs]
+        seen = []  # the target's features, (B, T, H) in chunk order, for an EAGLE draft
+        hook = self.target.model.norm.register_forward_hook(lambda m, a, out: seen.append(out)) if self.eagle else None
         new = verify_batch(
             self.target, self.store, [s.seq_id for s in seqs], [s.tokens for s in seqs], drafts, q,
             self.temperature or 1.0, self.top_p, self.generator,
         )  # fmt: skip
+        if hook is not None:
+            hook.remove()
+            self.hand_off(seqs, unread, new, seen[-1])
         now, finished = time.perf_counter(), []
         for seq, drafted, emitted in zip(seqs, drafts, new, strict=True):
             n = len(emitted) - 1
@@ -191,6 +231,19 @@ class SpecBatchEngine:
             self.running.remove(seq)
         self.steps += 1
         return finished
+
+    def hand_off(self, seqs: list[Sequence], unread: list[int], new: list[list[int]], feats: torch.Tensor) -> None:
+        """Give each sequence's EAGLE draft the true features of the positions the target just kept: its
+        unread tokens and accepted drafts (row i of feats holds sequence i's chunk, padded)."""
+        if feats.shape[0] != len(seqs):
+            raise RuntimeError(f"paged.forward's final norm saw {feats.shape[0]} rows for {len(seqs)} sequences")
+        for i, (seq, emitted) in enumerate(zip(seqs, new, strict=True)):
+            size = len(seq.prompt) + seq.max_new_tokens + self.k_max + 1
+            state = self.eagle_states.setdefault(seq.seq_id, EagleState(self.eagle.new_cache(size)))
+            kept = unread[i] + len(emitted) - 1
+            start = len(seq.tokens) - unread[i] + 1  # seq.tokens is not extended yet: the token after the first row
+            state.feats.append(feats[i, :kept])
+            state.ids += (seq.tokens + emitted)[start : start + kept]
 
     def admit(self) -> None:
         """Move waiting requests into the batch, first come first served, while their blocks fit."""
@@ -216,6 +269,8 @@ class SpecBatchEngine:
     def k_for(self, seq: Sequence) -> int:
         """Drafts for seq this step: never more than it still needs minus the target's own token."""
         left = seq.max_new_tokens - len(seq.generated) - 1
+        if self.eagle is not None and seq.seq_id not in self.eagle_states:
+            return 0  # no target features yet: this step's verification is the prefill
         if self.costs is None:
             return min(self.k_max, left)
         k = choose_k(self.alpha(seq), len(self.running), self.costs, self.k_max)
@@ -235,12 +290,15 @@ class SpecBatchEngine:
         for store in (self.store, self.draft_store):
             if store is not None:
                 store.free(seq.seq_id)
+        self.eagle_states.pop(seq.seq_id, None)  # recomputed with the target's features on its return
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor] | None]:
         """Draft ks[i] tokens for seqs[i]: draft position j is one batched draft forward over the
         sequences with ks[i] > j (the first also reads what the draft's cache lacks). Greedy drafts are
         argmaxes; sampled ones come with q[i]: (ks[i], V), the distributions they were drawn from."""
+        if self.eagle is not None:
+            return self.propose_eagle(seqs, ks)
         drafts: list[list[int]] = [[] for _ in seqs]
         q: list[list[torch.Tensor]] = [[] for _ in seqs]
         for j in range(max(ks, default=0)):
@@ -257,3 +315,21 @@ class SpecBatchEngine:
             return drafts, None
         vocab = self.target.config.vocab_size
         return drafts, [torch.stack(rows) if rows else torch.zeros(0, vocab) for rows in q]
+
+    def propose_eagle(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor] | None]:
+        """propose() with an EAGLE head: each sequence drafts on its own from the features it was handed."""
+        drafts, q = [], []
+        vocab = self.target.config.vocab_size
+        for seq, k in zip(seqs, ks, strict=True):
+            state = self.eagle_states.get(seq.seq_id)
+            if not k or state is None:
+                drafts.append([])
+                q.append(torch.zeros(0, vocab))
+                continue
+            read = state.cache.length + len(state.ids)
+            d, dist = eagle.propose(self.eagle, state.cache, torch.cat(state.feats), state.ids, k, self.temperature, self.top_p, self.generator)  # fmt: skip
+            state.cache.truncate(read)  # forget the positions read from the draft's own predictions
+            state.feats, state.ids = [], []
+            drafts.append(d)
+            q.append(dist)
+        return drafts, (None if self.temperature == 0 else q)

@@ -251,4 +251,85 @@ MUTANTS = [
         replace="cache.truncate(start + path[-1] + 1)",
         bug="commit_path truncates after the last accepted node's old slot, keeping rejected nodes",
     ),
+    # eagle.py: draft_forward
+    dict(
+        file="eagle.py",
+        find="cos, sin = head.target[0].rope(L, T)",
+        replace="cos, sin = head.target[0].rope(0, T)",
+        bug="draft_forward rotates every chunk from position 0, not from the draft cache's length",
+    ),
+    dict(
+        file="eagle.py",
+        find="x = head.layer(x, cos, sin, causal_mask(L, T), cache, 0)[0]",
+        replace="x = head.layer(x, cos, sin, None, cache, 0)[0]",
+        bug="draft_forward has no causal mask: a chunk's positions see the ones after them",
+    ),
+    dict(
+        file="eagle.py",
+        find="x = head.fc(torch.cat([feats, head.embed(next_ids)], dim=-1))[None]",
+        replace="x = head.fc(torch.cat([head.embed(next_ids), feats], dim=-1))[None]",
+        bug="draft_forward concatenates the token embedding before the feature (fc was trained the other way)",
+    ),
+    dict(
+        file="eagle.py",
+        find="    cache.length += T\n    logits = torch.full",
+        replace="    logits = torch.full",
+        bug="draft_forward writes the cache but never advances its length",
+    ),
+    dict(
+        file="eagle.py",
+        find="logits[:, head.vocab] = (x @ head.lm_head_weight.T).float()",
+        replace="logits[:, : len(head.vocab)] = (x @ head.lm_head_weight.T).float()",
+        bug="draft_forward takes the reduced head's row index for the token id",
+    ),
+    # eagle.py: propose
+    dict(
+        file="eagle.py",
+        find="feat, logits = feats[-1], logits[-1]",
+        replace="feat, logits = feats[0], logits[0]",
+        bug="propose drafts from the first pending position's prediction, not the last",
+    ),
+    dict(
+        file="eagle.py",
+        find="draft_forward(head, cache, feat[None], torch.tensor(drafted[-1:]))",
+        replace="draft_forward(head, cache, feats[-1:], torch.tensor(drafted[-1:]))",
+        bug="propose feeds back the first predicted feature at every step, not the latest",
+    ),
+    dict(
+        file="eagle.py",
+        find="draft_forward(head, cache, feat[None], torch.tensor(drafted[-1:]))",
+        replace="draft_forward(head, cache, feat[None], torch.tensor(drafted[:1]))",
+        bug="propose feeds back the first drafted token at every step",
+    ),
+    dict(
+        file="eagle.py",
+        find="            q.append(warp(logits, temperature, top_p))\n            drafted.append(sample(q[-1], generator))",
+        replace="            q.append(torch.softmax(logits, -1))\n            drafted.append(sample(warp(logits, temperature, top_p), generator))",
+        bug="propose samples from the warped distribution but hands the verification the unwarped one",
+    ),
+    # eagle.py: verify
+    dict(
+        file="eagle.py",
+        find="return drafted[:n] + [nxt], feats[: n + 1]",
+        replace="return drafted[:n] + [nxt], feats[1 : n + 2]",
+        bug="verify hands back the features one position late",
+    ),
+    dict(
+        file="eagle.py",
+        find="cache.truncate(len(tokens) + n)\n    return drafted[:n] + [nxt]",
+        replace="cache.truncate(len(tokens) + n + 1)\n    return drafted[:n] + [nxt]",
+        bug="verify keeps the first rejected draft's K/V in the target's cache",
+    ),
+    dict(
+        file="eagle.py",
+        find="        while n < k and drafted[n] == choice[n]:\n            n += 1\n        nxt",
+        replace="        n = sum(d == c for d, c in zip(drafted, choice))\n        nxt",
+        bug="verify (greedy) counts matching drafts anywhere, not the leading run",
+    ),
+    dict(
+        file="eagle.py",
+        find="n, dist = accept_reject(warp(logits, temperature, top_p), q,",
+        replace="n, dist = accept_reject(torch.softmax(logits, -1), q,",
+        bug="verify (sampled) compares with the target's unwarped distribution",
+    ),
 ]

@@ -1,0 +1,194 @@
+"""Stage 06 part 2 benchmark, EAGLE on SmolLM2-135M-Instruct: the shipped feature-space draft head
+(labkit/assets/smollm2-eagle, trained by `python -m labkit.train --only eagle`) against plain greedy decoding.
+
+    make bench STAGE=06b_eagle        (needs make setup; LABS_IMPL=solution, IMPL=student times your code)
+
+Batch 1, greedy, one thread, held-out chat prompts (labkit.eagle_data: subjects no training prompt
+names). The baseline is plain greedy decoding with the compiled one-token step (labkit.fast_decode.
+StaticDecoder, torch.compile), the fastest plain decode the course has; the eager model's own
+generate is timed beside it. All variants run interleaved in one process, medians of repeats.
+
+- acceptance per draft position j: of the rounds whose drafts 1..j-1 were all accepted, how many
+  accepted draft j too; accepted per verification is the mean run of accepted drafts (the tokens a
+  verification emits are that + 1);
+- the cost breakdown: a draft step (one position through fc, the layer and the reduced LM head) and
+  a verification over k + 1 tokens, both in units of one plain target step, which is what decides
+  whether the accepted tokens pay: speedup ~ (accepted + 1) / (verify + k * draft) in those units;
+- the same head with the target's whole 49,152-token LM head, for what the reduced vocabulary buys;
+- inside stage 06's batching engine (batch_engine.py, every request submitted at once), the EAGLE
+  head as its proposer at fixed k and with choose_k (the acceptance-aware policy, on costs measured
+  here), against the same engine without speculation, at a few concurrencies (stage06b.sweep: its
+  outputs must equal the target's greedy decoding).
+
+Hugging Face's assisted generation cannot take this draft: transformers 5.23's candidate generators
+take a standalone causal LM (`assistant_model`), the model's own MTP layers (`num_mtp_layers` in its
+config; SmolLM2 has none) or a cross-attending assistant (SinglePositionMultiTokenCandidateGenerator);
+an EAGLE head is none of these (it reads the target's features, which assisted generation does not
+hand to an assistant).
+
+Whether each variant emits exactly the compiled baseline's tokens is recorded per prompt (a verification
+over k + 1 tokens sums in another order than a one-token step, so a near-tie may flip).
+"""
+
+import torch
+
+from labkit import bench, eagle, eagle_data, plot
+from labkit.checkpoint import load_tokenizer, require_real_model
+from labkit.device import pin_threads
+from labkit.fast_decode import StaticDecoder
+from labkit.impl import current, load
+from labkit.testing import real_labkit
+
+from .stage06b import crossover, sweep
+
+K = 4
+ENGINE_CONCURRENCY = [1, 4]
+
+
+def compiled_greedy(target, max_len: int):
+    """prompt, n -> n greedy tokens: the eager prefill, then compiled one-token steps, one cache reused."""
+    cache = target.new_cache(1, max_len)
+    decoder = StaticDecoder(target, cache, "compile")
+
+    def run(prompt: list[int], n: int) -> list[int]:
+        cache.truncate(0)
+        out = [int(target(torch.tensor([prompt]), cache)[0, -1].argmax())]
+        while len(out) < n:
+            out.append(int(decoder(torch.tensor([out[-1:]]))[0, -1].argmax()))
+        return out
+
+    return run, decoder, cache
+
+
+def draft_step(eg, head, context: int = 96):
+    """A closure timing one draft step (one position) after `context` cached draft positions."""
+    cache = head.new_cache(context + 1)
+    H = head.config.hidden_size
+    eg.draft_forward(head, cache, torch.zeros(context, H), torch.ones(context, dtype=torch.long))
+    feat, token = torch.zeros(1, H), torch.ones(1, dtype=torch.long)
+
+    def step():
+        eg.draft_forward(head, cache, feat, token)
+        cache.truncate(context)
+
+    return step
+
+
+@torch.inference_mode()
+def main(quick: bool = False) -> bench.Result:
+    eg = load("stage06_speculative.eagle")
+    pin_threads(1)
+    n_prompts, new, repeats = (2, 32, 1) if quick else (3, 48, 2)
+    folder = require_real_model()
+    target, tok = real_labkit(), load_tokenizer(folder)
+    heads = {"EAGLE": eagle.load(eagle.REAL_EAGLE, target), "EAGLE, full LM head": eagle.load(eagle.REAL_EAGLE, target, full_vocab=True)}  # fmt: skip
+    prompts = [tok.encode(p).ids for p in eagle_data.prompts(n_prompts, heldout=True)]
+    plain, decoder, cache = compiled_greedy(
+        target, max(128, max(len(p) for p in prompts) + new + 1)
+    )  # 96 + 1 for the cost timings
+    reference = [plain(p, new) for p in prompts]  # also compiles the step before any timing
+
+    rounds: dict[str, list[tuple[int, int]]] = {}
+    verify = eg.verify
+
+    def counted(name):
+        def fn(target, cache, tokens, drafted, *args, **kwargs):
+            out = verify(target, cache, tokens, drafted, *args, **kwargs)
+            if drafted:
+                rounds[name].append((len(drafted), len(out[0]) - 1))
+            return out
+
+        return fn
+
+    runs = {f"{name}, k={K}": (head, K) for name, head in heads.items()}
+    outputs = {name: [] for name in runs}
+
+    def timed(name):
+        head, k = runs[name]
+
+        def go():
+            rounds[name], outputs[name] = [], []
+            eg.verify = counted(name)
+            for p in prompts:
+                outputs[name].append(eg.eagle_generate(target, head, p, new, k=k)[0])
+            eg.verify = verify
+
+        return go
+
+    fns = {"plain, compiled step": lambda: [plain(p, new) for p in prompts]}
+    fns["plain, eager model"] = lambda: [target.generate(p, new, stop_at_eos=False) for p in prompts]
+    fns |= {name: timed(name) for name in runs}
+    times = bench.interleaved(fns, repeats, warmup=0)  # the reference run above compiled the plain step
+
+    def compiled_step():
+        decoder(torch.ones(1, 1, dtype=torch.long))
+        cache.truncate(cache.length - 1)
+
+    cache.truncate(0)
+    target(torch.ones(1, 96, dtype=torch.long), cache)
+    costs = bench.interleaved(
+        {"target step, compiled": compiled_step, "target step, eager": bench.decode_step(target, 96, 1),
+         f"verify {K + 1} tokens, eager": bench.decode_step(target, 96, K + 1),
+         **{f"draft step, {name}": draft_step(eg, head) for name, head in heads.items()}},
+        10 if quick else 30, warmup=3,
+    )  # fmt: skip
+    unit = costs["target step, compiled"].median
+    base = times["plain, compiled step"].median
+    rows = [{"decoder": name, "accepted_per_verify": None, "acceptance_per_position": None,
+             "identical_prompts": f"{sum(o == r for o, r in zip(outputs.get(name, reference), reference, strict=True))}/{len(prompts)}",
+             "seconds": times[name].median, "speedup": base / times[name].median} for name in fns if name not in runs]  # fmt: skip
+    for name, (_, k) in runs.items():
+        r = rounds[name]
+        per_position = []
+        for j in range(1, k + 1):
+            reached = [n for d, n in r if d >= j and n >= j - 1]
+            per_position.append(round(sum(n >= j for n in reached) / max(len(reached), 1), 3))
+        rows.append({
+            "decoder": name,
+            "accepted_per_verify": round(sum(n for _, n in r) / max(len(r), 1), 3),
+            "acceptance_per_position": per_position,
+            "identical_prompts": f"{sum(o == ref for o, ref in zip(outputs[name], reference, strict=True))}/{len(prompts)}",
+            "seconds": times[name].median,
+            "speedup": base / times[name].median,
+        })  # fmt: skip
+    cost_rows = {name: round(t.median / unit, 3) for name, t in costs.items()}
+    eng = load("stage06_speculative.batch_engine")
+    engine_prompts = [tok.encode(p).ids for p in eagle_data.prompts(max(ENGINE_CONCURRENCY), heldout=True)]
+    engine_costs = eng.Costs.measure(target, heads["EAGLE"], ENGINE_CONCURRENCY, k_max=K)
+    try:  # sweep checks every engine's tokens against the eager model's greedy decoding
+        engine_rows = sweep(target, heads["EAGLE"], engine_prompts, 16 if quick else 24, ENGINE_CONCURRENCY, K,
+                            engine_costs, repeats=1, k_max=K, warmup=0)  # fmt: skip
+        print(bench.table(engine_rows, title=f"EAGLE inside the batching engine, k = {K} fixed or choose_k up to {K}"))
+    except AssertionError as e:  # a near-tie the k + 1-token verification rounds the other way: say so, keep the rest
+        engine_rows = [{"error": str(e)}]
+        print("engine sweep:", e)
+    title = (
+        f"stage 06b EAGLE: SmolLM2-135M-Instruct, head {eagle.REAL_EAGLE.name} "
+        f"(vocab {len(heads['EAGLE'].vocab)}), {len(prompts)} held-out prompts x {new} tokens, greedy, "
+        f"impl={current()}, median of {repeats}"
+    )
+    print(bench.table(rows, title=title))
+    print(
+        "costs in compiled target steps ("
+        + f"{unit * 1e3:.1f} ms): "
+        + ", ".join(f"{n} {c}" for n, c in cost_rows.items())
+    )
+    figures = {"prompts": len(prompts), "new_tokens": new, "repeats": repeats, "k": K,
+               "target_step_compiled_s": unit, "costs_in_compiled_target_steps": cost_rows,
+               "head_vocab": len(heads["EAGLE"].vocab), "engine": engine_rows,
+               "engine_crossover_fixed_k": crossover(engine_rows) if "error" not in engine_rows[0] else None,
+               "engine_crossover_adaptive": crossover(engine_rows, "adaptive_speedup") if "error" not in engine_rows[0] else None}  # fmt: skip
+    return bench.Result(rows, figures, _plot(rows))
+
+
+def _plot(rows: list[dict]):
+    """Wall-clock speedup over the compiled plain decode, per decoder."""
+    plt = plot.setup()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [r["decoder"] for r in rows]
+    ax.barh(names, [r["speedup"] for r in rows])
+    ax.axvline(1.0, color="gray", lw=0.8)
+    ax.set(xlabel="speedup over plain greedy (compiled step)", title="SmolLM2, batch 1, one thread")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    return fig
