@@ -202,7 +202,7 @@ class SpecBatchEngine:
         seqs = self.running
         drafts, q = self.propose(seqs, ks)
         unread = [len(s.tokens) - self.store.length(s.seq_id) for s in seqs]
-        seen = []  # the target's features, (B, T, H) in chunk order, for an EAGLE draft
+        seen = []  # the target's features, (1, N, H): the chunks packed in sequence order, for an EAGLE draft
         hook = self.target.model.norm.register_forward_hook(lambda m, a, out: seen.append(out)) if self.eagle else None
         new = verify_batch(
             self.target, self.store, [s.seq_id for s in seqs], [s.tokens for s in seqs], drafts, q,
@@ -210,7 +210,7 @@ class SpecBatchEngine:
         )  # fmt: skip
         if hook is not None:
             hook.remove()
-            self.hand_off(seqs, unread, new, seen[-1])
+            self.hand_off(seqs, [u + len(d) for u, d in zip(unread, drafts, strict=True)], unread, new, seen[-1])
         now, finished = time.perf_counter(), []
         for seq, drafted, emitted in zip(seqs, drafts, new, strict=True):
             n = len(emitted) - 1
@@ -232,17 +232,20 @@ class SpecBatchEngine:
         self.steps += 1
         return finished
 
-    def hand_off(self, seqs: list[Sequence], unread: list[int], new: list[list[int]], feats: torch.Tensor) -> None:
+    def hand_off(self, seqs: list[Sequence], sizes: list[int], unread: list[int], new: list[list[int]],
+                 feats: torch.Tensor) -> None:  # fmt: skip
         """Give each sequence's EAGLE draft the true features of the positions the target just kept: its
-        unread tokens and accepted drafts (row i of feats holds sequence i's chunk, padded)."""
-        if feats.shape[0] != len(seqs):
-            raise RuntimeError(f"paged.forward's final norm saw {feats.shape[0]} rows for {len(seqs)} sequences")
-        for i, (seq, emitted) in enumerate(zip(seqs, new, strict=True)):
+        unread tokens and accepted drafts. feats (1, N, H) holds the verification's chunks packed in sequence
+        order, sizes[i] rows each (labkit.paged.forward packs the batch)."""
+        rows = feats.reshape(-1, feats.shape[-1])
+        if rows.shape[0] != sum(sizes):
+            raise RuntimeError(f"paged.forward's final norm saw {rows.shape[0]} rows for chunks of {sizes}")
+        for i, (seq, emitted, chunk) in enumerate(zip(seqs, new, rows.split(sizes), strict=True)):
             size = len(seq.prompt) + seq.max_new_tokens + self.k_max + 1
             state = self.eagle_states.setdefault(seq.seq_id, EagleState(self.eagle.new_cache(size)))
             kept = unread[i] + len(emitted) - 1
             start = len(seq.tokens) - unread[i] + 1  # seq.tokens is not extended yet: the token after the first row
-            state.feats.append(feats[i, :kept])
+            state.feats.append(chunk[:kept])
             state.ids += (seq.tokens + emitted)[start : start + kept]
 
     def admit(self) -> None:
