@@ -4,7 +4,7 @@ step costs measured on this machine; the knee per policy and its cost per millio
     make bench STAGE=07b
 
 Measured here: the cost of one ReplicaEngine step on the tiny target (one thread), as a function of the
-batch's packed shape (simulator.measure_step_costs, StepCost.fit). Simulated: everything else. Two cores
+batch's packed shape (step_costs.measure_step_costs, StepCost.fit). Simulated: everything else. Two cores
 cannot run four replicas under load, so simulator.simulate replays two traces through four simulated
 replicas that schedule as ReplicaEngine does, each routing policy of policies.py placing the arrivals:
 a shared-prefix trace (conversations behind shared system prompts) and one without reuse, where
