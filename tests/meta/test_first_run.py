@@ -9,7 +9,9 @@ from labkit import ROOT
 
 
 def dry_run(*args) -> str:
-    out = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True)
+    # Under `make test` the parent make's MAKEFLAGS/MAKELEVEL would make this one print "Entering directory" lines.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    out = subprocess.run(["make", "-n", *args], cwd=ROOT, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
