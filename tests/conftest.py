@@ -206,9 +206,13 @@ def is_stage_test(path: Path) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # Files named one by one on the command line keep that order: the mutant runner puts the files that load the
+    # mutated module first so that -x stops early; folders sort by handout order.
+    named = [Path(a.split("::")[0]).resolve() for a in config.args]
+    named = {p: k for k, p in enumerate(named) if p.suffix == ".py"}
     folders, order = {}, {}
     for i, item in enumerate(items):  # a stage's sub-folder (stage 07's fleet/) sorts with its stage
-        folder = folders.setdefault(stage_folder(item.path) or item.path.parent, len(folders))
+        folder = named.get(item.path, -1), folders.setdefault(stage_folder(item.path) or item.path.parent, len(folders))
         order[id(item)] = (folder, LAST, True, False, item.path.name, i)
         if not is_stage_test(item.path):
             continue
