@@ -7,9 +7,11 @@ BLAS picks a different matmul kernel for a different number of rows, and attenti
 differently shaped key range. Rounding then differs, and a greedy continuation can fork at a near-tie.
 Here every reduction a token's result passes through runs in an order fixed by that token alone:
 
-- linear_tiled: every matmul call gets exactly `tile` rows, so the BLAS sees one shape, whatever the batch;
-- split_kv_attention: keys are reduced in fixed splits of `split` positions counted from position 0,
-  one product per query, the splits merged in order (FlashDecoding's split-KV with a fixed split size);
+- linear_padded: every matmul has at least `min_rows` rows, so the BLAS runs the one kernel it keeps for
+  four rows and more (lab4.ipynb §1 measures the classes), whatever the batch;
+- split_kv_attention: keys are reduced in fixed splits of `split` positions counted from position 0, the
+  splits merged in order (FlashDecoding's split-KV with a fixed split size), each sequence's queries in
+  products of at least `min_rows` rows;
 - RMSNorm and the softmax of the logprobs already reduce each row on its own on a CPU (lab4.ipynb §1
   measures it), so forward_invariant keeps labkit's.
 
@@ -22,20 +24,21 @@ from labkit.model import Llama, apply_rope
 
 from .paged_attention import PagedKVCache
 
-TILE = 16  # rows per matmul call: a decode batch of 16 fills one tile
+MIN_ROWS = 8  # rows of the smallest matmul: lab4 §1 measured one BLAS kernel for every M >= 4 here
 SPLIT = 128  # key positions per attention split
 
 
-def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, tile: int = TILE):
-    """F.linear(x, weight, bias), computed in calls of exactly `tile` rows each.
+def linear_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = MIN_ROWS):
+    """F.linear(x, weight, bias) in one call of at least `min_rows` rows.
 
     x:      (N, in_features) float32, any N >= 1
     weight: (out_features, in_features); bias: (out_features,) or None
-    returns (N, out_features): row i depends on x[i] only, bit for bit: every matmul call this makes has
-            `tile` rows (the last tile padded with zero rows), so the BLAS runs the same kernel for it
-            whether N is 1 or 500.
+    returns (N, out_features): row i depends on x[i] only, bit for bit. Fewer than `min_rows` rows are
+            padded with zero rows (dropped from the result), so the BLAS never takes the kernels it keeps
+            for a few rows (a matrix-vector kernel for one, another for two or three) and every row is
+            summed by the same kernel, in the same order, whether N is 1 or 500.
     """
-    raise NotImplementedError("stage04: linear_tiled — see lab4.ipynb §2")
+    raise NotImplementedError("stage04: linear_padded — see lab4.ipynb §2")
 
 
 def split_kv_attention(
@@ -46,19 +49,24 @@ def split_kv_attention(
     context_lens: torch.Tensor,
     query_lens: torch.Tensor,
     split: int = SPLIT,
+    min_rows: int = MIN_ROWS,
 ) -> torch.Tensor:
     """paged_attention's contract (same arguments, same result up to rounding), in an order fixed per query.
 
     q (N, n_heads, head_dim); k_pool, v_pool (num_blocks, block_size, n_kv_heads, head_dim);
     block_tables (B, max_blocks) int64; context_lens, query_lens (B,) int64 -> (N, n_heads, head_dim).
 
-    Keys are taken in splits of `split` positions, [0, split), [split, 2 split), ..., whatever the batch.
-    For each split, each query gets its own score product, its n_rep = n_heads // n_kv_heads heads
-    against that split's keys: (n_rep, head_dim) @ (head_dim, split), then (n_rep, split) @ (split, head_dim)
-    for the values, so every product has one shape. Keys past the query's position are masked (-inf).
-    The splits are merged in order with the online softmax (running max m, denominator l, output acc,
-    rescaled by exp(m_old - m_new)), and a split none of whose keys a query sees leaves that query's
-    m, l and acc untouched. Scale 1/sqrt(head_dim); GQA head h reads kv head h // n_rep.
+    Keys are taken in splits of `split` positions, [0, split), [split, 2 split), ..., whatever the batch,
+    gathered contiguous per sequence as (n_kv, split, head_dim). A sequence's rows are its n queries'
+    n_rep = n_heads // n_kv_heads heads of each kv head, (n_kv, n * n_rep, head_dim), query-major, so that
+    for each split one product per kv head multiplies rows @ (head_dim, split), then (rows, split) @
+    (split, head_dim) for the values. Products of fewer than `min_rows` rows are padded (linear_padded's
+    reason): sequences with n * n_rep <= min_rows (decodes) are batched together at min_rows rows each,
+    a longer chunk runs alone at n * n_rep rows. Keys past a row's position are masked (-inf), padding
+    rows sit at position 0. The splits are merged in order with the online softmax (running max m,
+    denominator l, output acc, rescaled by exp(m_old - m_new)); every query sees split 0, and a later
+    split a query sees none of leaves its m, l and acc unchanged bit for bit (p = 0, alpha = 1).
+    Scale 1/sqrt(head_dim); GQA head h reads kv head h // n_rep.
     """
     raise NotImplementedError("stage04: split_kv_attention — see lab4.ipynb §3")
 
@@ -75,7 +83,7 @@ def forward_invariant(
     query_lens: torch.Tensor,
     keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """engine.forward_paged (same arguments, same result up to rounding) with every matmul through linear_tiled
+    """engine.forward_paged (same arguments, same result up to rounding) with every matmul through linear_padded
     and attention through split_kv_attention: each token's logits are the same bits in any batch."""
     c = model.config
     N = len(input_ids)
@@ -84,22 +92,22 @@ def forward_invariant(
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         h = layer.input_layernorm(x)
-        q = linear_tiled(h, attn.q_proj.weight, attn.q_proj.bias).view(N, c.num_attention_heads, c.head_dim)
-        k = linear_tiled(h, attn.k_proj.weight, attn.k_proj.bias).view(N, c.num_key_value_heads, c.head_dim)
-        v = linear_tiled(h, attn.v_proj.weight, attn.v_proj.bias).view(N, c.num_key_value_heads, c.head_dim)
+        q = linear_padded(h, attn.q_proj.weight, attn.q_proj.bias).view(N, c.num_attention_heads, c.head_dim)
+        k = linear_padded(h, attn.k_proj.weight, attn.k_proj.bias).view(N, c.num_key_value_heads, c.head_dim)
+        v = linear_padded(h, attn.v_proj.weight, attn.v_proj.bias).view(N, c.num_key_value_heads, c.head_dim)
         q, k = attn.norm_qk(q, k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(i, k, v, slots)
         y = split_kv_attention(q, cache.k[i], cache.v[i], block_tables, context_lens, query_lens)
-        x = x + linear_tiled(y.reshape(N, -1), attn.o_proj.weight, attn.o_proj.bias)
+        x = x + linear_padded(y.reshape(N, -1), attn.o_proj.weight, attn.o_proj.bias)
         h = layer.post_attention_layernorm(x)
-        gate = linear_tiled(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
+        gate = linear_padded(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
         # SiLU written out: F.silu's vectorized and scalar loops round differently (lab4 §1), and which one a
         # row's last elements take depends on where the tensor ends; exp, division and products do not.
-        act = gate / (1 + torch.exp(-gate)) * linear_tiled(h, mlp.up_proj.weight, mlp.up_proj.bias)
-        x = x + linear_tiled(act, mlp.down_proj.weight, mlp.down_proj.bias)
+        act = gate / (1 + torch.exp(-gate)) * linear_padded(h, mlp.up_proj.weight, mlp.up_proj.bias)
+        x = x + linear_padded(act, mlp.down_proj.weight, mlp.down_proj.bias)
     if keep is not None:
         x = x[keep]
     elif N > len(query_lens):
         x = x[torch.cumsum(query_lens, 0) - 1]
-    return linear_tiled(model.model.norm(x), model.lm_head.weight).float()
+    return linear_padded(model.model.norm(x), model.lm_head.weight).float()

@@ -11,8 +11,10 @@ A. Determinism under random load, default engine against batch-invariant engine.
 B. Throughput: 16 chats, greedy, 16 output tokens each, at concurrency 1, 4 and 16 (max_num_seqs),
    default against invariant, interleaved, medians of repeats.
 C. Where the cost comes from: one decode step at batch 1, 4 and 16 (context ~45 tokens) split into its
-   matmuls (F.linear on B rows against linear_tiled's 16-row tiles) and its attention (paged_attention
-   against split_kv_attention), beside the floor of a step: its weight bytes at the one-thread copy bandwidth.
+   matmuls (F.linear on B rows against linear_padded, and against a fixed 16-row tile, the alternative the
+   handout names) and its attention (paged_attention against split_kv_attention), beside the floor of a
+   step (its weight and cache bytes at the measured one-thread copy bandwidth, or its FLOPs at the GEMM
+   rate, the larger); and the same three matmul variants on a 512-token prefill.
 """
 
 import random
@@ -26,7 +28,7 @@ from labkit.device import pin_threads
 from labkit.impl import load
 from labkit.model import from_pretrained
 
-from .decode import copy_bandwidth
+from . import floors
 from .stage04_real import QUESTIONS, chat
 
 MORE = [
@@ -131,8 +133,6 @@ def step_parts(model, tok, prompts, repeats: int) -> list[dict]:
     engine_mod, params_cls = load("stage04_batching.engine"), load("stage04_batching.sequence").SamplingParams
     bi, pa = load("stage04_batching.batch_invariant"), load("stage04_batching.paged_attention")
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    bandwidth = copy_bandwidth()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = []
     for B in (1, 4, 16):
         engine = engine_mod.LLMEngine(model, tok, num_blocks=256)
@@ -143,8 +143,9 @@ def step_parts(model, tok, prompts, repeats: int) -> list[dict]:
             engine.step()  # the prompts' prefill: then every sequence decodes
         seqs = engine.scheduler.schedule().seqs  # a decode batch, its slots allocated; each call rewrites them
         t = bench.interleaved(_parts(engine_mod, bi, pa, model, engine.cache, seqs, linears), repeats)
-        rows.append({"batch": B, **{f"{k}_ms": v.median * 1e3 for k, v in t.items()},
-                     "floor_ms": weight_bytes / bandwidth * 1e3})  # fmt: skip
+        context = max(s.num_tokens for s in seqs)
+        floor = floors.floor_s(floors.decode_bytes(model, context, B), floors.forward_flops(model, B, context))
+        rows.append({"batch": B, **{f"{k}_ms": v.median * 1e3 for k, v in t.items()}, "floor_ms": floor * 1e3})
     return rows
 
 
@@ -160,10 +161,31 @@ def _parts(engine_mod, bi, pa, model, cache, seqs, linears) -> dict:
         "step_default": lambda: engine_mod.run_batch(model, cache, seqs, [1] * B),
         "step_invariant": lambda: engine_mod.run_batch(model, cache, seqs, [1] * B, None, bi.forward_invariant),
         "matmuls_default": lambda: [F.linear(x, m.weight, m.bias) for x, m in zip(inputs, linears, strict=True)],
-        "matmuls_tiled": lambda: [bi.linear_tiled(x, m.weight, m.bias) for x, m in zip(inputs, linears, strict=True)],
+        "matmuls_padded": lambda: [bi.linear_padded(x, m.weight, m.bias) for x, m in zip(inputs, linears, strict=True)],
+        "matmuls_tiled16": lambda: [_tiled(x, m.weight, m.bias) for x, m in zip(inputs, linears, strict=True)],
         "attention_default": lambda: [pa.paged_attention(*attention) for _ in range(c.num_hidden_layers)],
         "attention_split": lambda: [bi.split_kv_attention(*attention) for _ in range(c.num_hidden_layers)],
     }
+
+
+def _tiled(x, weight, bias, tile: int = 16):
+    """The fixed-tile alternative: exactly `tile` rows in every call, the last tile padded."""
+    padded = F.pad(x, (0, 0, 0, -len(x) % tile))
+    return torch.cat([F.linear(padded[i : i + tile], weight, bias) for i in range(0, len(padded), tile)])[: len(x)]
+
+
+def prefill_matmuls(model, repeats: int, rows: int = 512) -> dict:
+    """One prefill's matmuls over `rows` tokens: F.linear, linear_padded (one call) and 16-row tiles."""
+    bi = load("stage04_batching.batch_invariant")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
+    inputs = [torch.randn(rows, m.in_features) for m in linears]
+    pairs = list(zip(inputs, linears, strict=True))
+    t = bench.interleaved({"default": lambda: [F.linear(x, m.weight, m.bias) for x, m in pairs],
+                           "padded": lambda: [bi.linear_padded(x, m.weight, m.bias) for x, m in pairs],
+                           "tiled16": lambda: [_tiled(x, m.weight, m.bias) for x, m in pairs]}, repeats)  # fmt: skip
+    flops = 2 * rows * sum(m.weight.numel() for m in linears)
+    return {"rows": rows, **{f"{k}_ms": v.median * 1e3 for k, v in t.items()}, "floor_ms": floors.floor_s(flops=flops) * 1e3,
+            "tiled16_vs_padded": t["tiled16"].median / t["padded"].median}  # fmt: skip
 
 
 @torch.inference_mode()
@@ -182,6 +204,8 @@ def main(quick: bool = False) -> bench.Result:
     print(bench.table(tiny, "A. the same on the tiny target"))
     parts = step_parts(model, tok, prompts, 3 if quick else 7)
     print(bench.table(parts, "C. one decode step and its parts (ms), default vs invariant"))
+    prefill = prefill_matmuls(model, 3 if quick else 5)
+    print(bench.table([prefill], "C. a 512-token prefill's matmuls (ms, LM head aside)"))
     rows = throughput(model, tok, prompts, 4 if quick else 16, repeats)
     print(bench.table(rows, f"B. throughput, 16 greedy tokens a chat, median of {repeats}"))
     figures = {
@@ -189,9 +213,11 @@ def main(quick: bool = False) -> bench.Result:
         "determinism": det,
         "determinism_tiny_target": tiny,
         "step_parts": parts,
+        "prefill_matmuls": prefill,
         "invariant_vs_default_at_16": rows[-1]["invariant_vs_default"],
-        "tile": load("stage04_batching.batch_invariant").TILE,
+        "min_rows": load("stage04_batching.batch_invariant").MIN_ROWS,
         "split": load("stage04_batching.batch_invariant").SPLIT,
+        **floors.figures(),
     }
     return bench.Result(rows, figures, _plot(rows, det, tiny, parts, which))
 
@@ -210,10 +236,10 @@ def _plot(rows, det, tiny, parts, which):
     ax_det.bar(labels, share, color=["C0", "C1"] * 2)
     ax_det.set(ylabel="requests whose logprobs differ\nfrom a batch of one", title="under random load")
     x = torch.arange(len(parts)).numpy()
-    for i, (key, label) in enumerate([("matmuls_default", "matmuls, default"), ("matmuls_tiled", "matmuls, tiled"),
+    for i, (key, label) in enumerate([("matmuls_default", "matmuls, default"), ("matmuls_padded", "matmuls, padded"),
                                        ("attention_default", "attention, default"), ("attention_split", "attention, split-KV")]):  # fmt: skip
         ax_parts.bar(x + (i - 1.5) * 0.2, [p[f"{key}_ms"] for p in parts], 0.2, label=label)
-    ax_parts.plot(x, [p["floor_ms"] for p in parts], "k--", label="floor: weights at copy bandwidth")
+    ax_parts.plot(x, [p["floor_ms"] for p in parts], "k--", label="floor: bytes at copy bandwidth")
     ax_parts.set_xticks(x, [f"decode, batch {p['batch']}" for p in parts])
     ax_parts.set(ylabel="ms", title="one decode step's parts")
     ax_parts.legend(fontsize=8)
