@@ -251,24 +251,9 @@ def _labkit_gate(folder, section, originals={}, raisers={}):
 """
 
 
-# Handouts that still need a later section's TODO somewhere, run ungated until fixed (issue 45).
-UNGATED = {
-    (
-        "stage07_tensor_parallel",
-        "fleet/lab3.ipynb",
-    ): "§5's cell ends in StatisticsError (median of no data) when only the "
-    "TODOs up to lab3 §5 are written: it reaches a later handout's TODO through given code",
-    ("stage07_tensor_parallel", "fleet/lab5.ipynb"): "gated, a cell ended in max_rate_meeting's ValueError (attainment "
-    "below 0.9 at every rate) on a machine at load ~15; not yet told apart from a timing effect",
-}
-
-
 def gated(nb, folder: str, notebook: str):
     """nb with the gate defined at its top and run before each section: later sections' TODOs raise (GATE)."""
     import nbformat
-
-    if (folder, notebook) in UNGATED:
-        return nb
 
     part = int(Path(notebook).stem[3:] or 1)  # "fleet/lab2.ipynb" -> 2
     cells = [nbformat.v4.new_code_cell(GATE)]  # the setup cells before the first section run ungated
