@@ -63,7 +63,8 @@ def half_done(course: Path, number: str) -> list[str]:
     chosen = [m for m, found in modules.items() if all(s in done for s in found)]
     chosen = chosen or [min(modules, key=lambda m: min(modules[m]))]
     for m in chosen:
-        shutil.copy(ROOT / "solutions" / folder / f"{m}.py", course / folder / f"{m}.py")
+        path = f"{m.replace('.', '/')}.py"  # stage 07's fleet.router is fleet/router.py
+        shutil.copy(ROOT / "solutions" / folder / path, course / folder / path)
     return chosen
 
 
@@ -83,8 +84,8 @@ def main(quick: bool = False) -> bench.Result:
             check = [sys.executable, "-m", "pytest", f"tests/{folder}", "-m", mark, "-q", "--impl", "solution"]
             check += ["-p", "no:cacheprovider"]
             checks = [_wall(check, ROOT, env) for _ in range(repeats)]
-            for path in (ROOT / folder).glob("*.py"):  # the skeleton, before this row's half is filled in
-                shutil.copy(path, course / folder / path.name)
+            for path in (ROOT / folder).rglob("*.py"):  # the skeleton, before this row's half is filled in
+                shutil.copy(path, course / path.relative_to(ROOT))
             done = half_done(course, number)
             grade = [sys.executable, "-m", "labkit.grading.grade", "--stage", number]
             grades = [_wall(grade, course, env | {"PYTHONPATH": str(course)})]  # one: a row takes tens of seconds
