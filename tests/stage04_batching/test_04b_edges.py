@@ -19,8 +19,9 @@ import torch
 EOS = 0
 # Tokens of one or several characters, so a token may finish a repetition and start the next one.
 VOCAB = [None, b"1", b"23", b"7", b"x", b"xx", b"xxx", b"a", b"b", b"ab", b"ba", b".", b"5.", b"q", b""]
-# Patterns whose accepting states can continue (EOS and more text both allowed there).
-PATTERNS = [r"[0-9]+", r"x{2,3}", r"(ab)+", r"[0-9]{1,2}(\.[0-9]+)?", r"(xx|ab){1,3}b?"]
+# Patterns whose accepting states can continue (EOS and more text both allowed there). After "q", q(23)* goes on
+# only through "23": no single-byte token reads its next byte, so whether the output is finished takes the row.
+PATTERNS = [r"[0-9]+", r"x{2,3}", r"(ab)+", r"[0-9]{1,2}(\.[0-9]+)?", r"(xx|ab){1,3}b?", r"q(23)*"]
 
 
 @functools.cache
