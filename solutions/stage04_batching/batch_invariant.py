@@ -40,7 +40,9 @@ def linear_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             summed by the same kernel, in the same order, whether N is 1 or 500.
     """
     N = len(x)
-    return F.linear(F.pad(x, (0, 0, 0, max(0, min_rows - N))), weight, bias)[:N]
+    if N >= min_rows:
+        return F.linear(x, weight, bias)
+    return F.linear(F.pad(x, (0, 0, 0, min_rows - N)), weight, bias)[:N]
 
 
 def split_kv_attention(

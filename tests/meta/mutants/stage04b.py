@@ -359,27 +359,39 @@ MUTANTS = [
     # batch_invariant.py: linear_padded
     dict(
         file="batch_invariant.py",
-        find="    return F.linear(F.pad(x, (0, 0, 0, max(0, min_rows - N))), weight, bias)[:N]",
+        find="    return F.linear(F.pad(x, (0, 0, 0, min_rows - N)), weight, bias)[:N]",
         replace="    return F.linear(x, weight, bias)",
         bug="linear_padded does not pad (a batch of one takes the BLAS's matrix-vector kernel)",
     ),
     dict(
         file="batch_invariant.py",
-        find="max(0, min_rows - N)",
-        replace="max(0, min_rows - 1 - N)",
+        find="F.pad(x, (0, 0, 0, min_rows - N))",
+        replace="F.pad(x, (0, 0, 0, min_rows - 1 - N))",
         bug="linear_padded pads to one row short of min_rows",
     ),
     dict(
         file="batch_invariant.py",
-        find="max(0, min_rows - N))), weight, bias)[:N]",
-        replace="max(0, min_rows - N))), weight, bias)",
+        find="min_rows - N)), weight, bias)[:N]",
+        replace="min_rows - N)), weight, bias)",
         bug="linear_padded returns the padding rows too",
     ),
     dict(
         file="batch_invariant.py",
-        find="max(0, min_rows - N))), weight, bias)[:N]",
-        replace="max(0, min_rows - N))), weight)[:N]",
-        bug="linear_padded drops the bias",
+        find="min_rows - N)), weight, bias)[:N]",
+        replace="min_rows - N)), weight)[:N]",
+        bug="linear_padded drops the bias when it pads",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="    if N >= min_rows:\n        return F.linear(x, weight, bias)",
+        replace="    if N >= min_rows:\n        return F.linear(x, weight)",
+        bug="linear_padded drops the bias of a batch that needs no padding",
+    ),
+    dict(
+        file="batch_invariant.py",
+        find="    if N >= min_rows:\n",
+        replace="    if N >= min_rows - 2:\n",
+        bug="linear_padded leaves batches just below min_rows unpadded",
     ),
     # batch_invariant.py: split_kv_attention
     dict(
