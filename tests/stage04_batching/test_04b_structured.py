@@ -71,9 +71,12 @@ def random_vocab(rng: random.Random, size: int) -> tuple[list, int]:
 
 
 def gpt2_byte_table() -> dict[str, int]:
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    return {char: b for b, char in bytes_to_unicode().items()}
+    """GPT-2's byte-level alphabet, character -> byte: the printable bytes stand for themselves, the other 68 for
+    chr(256 + k), k counting them in byte order (as in GPT-2's encoder.py; importing transformers for it costs
+    more than this section's tests)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(others)}
 
 
 @pytest.mark.parametrize("vocab_size", [800, 854, 2048])
