@@ -8,6 +8,10 @@ one-token shapes widened to T: positions pos .. pos + T - 1 as a tensor, a causa
 fixed window, the T new keys written in place. It compiles once per (T, window) and returns the
 final normed hidden states beside the logits, since EAGLE's draft reads them.
 
+Its matrices are stored (out, in) and multiplied as W @ x^T: for 5 rows of x, PyTorch's CPU GEMM
+measured 1.7x a one-row product that way against 2.9x as x @ W with W (in, out), the one-row step's
+layout (30 of SmolLM2's 576 x 3,072 matrices, one thread, shared 2-core AMD EPYC).
+
     cache = model.new_cache(1, 1024)
     verify = StaticVerifier(model, cache)       # build after the last weight change
     feats, logits = verify(ids)                 # (1, T) -> (1, T, hidden), (1, T, vocab); cache grows by T
@@ -27,6 +31,13 @@ class StaticVerifier(StaticDecoder):
         if backend not in ("eager", "compile"):
             raise ValueError(f"backend={backend!r}; StaticVerifier runs 'eager' or 'compile'")
         super().__init__(model, cache, backend, window)
+        with torch.no_grad():  # the snapshot's (L, in, out) stacks become (L, out, in), in place of the old
+            for name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
+                setattr(self, name, getattr(self, name).transpose(1, 2).contiguous())
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x (B, T, in) times w (out, in) -> (B, T, out), as w @ x^T."""
+        return (w @ x.reshape(-1, x.shape[-1]).T).T.reshape(*x.shape[:-1], -1)
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
         """ids (B, T) int64 at positions pos ((T,) int64) -> (features (B, T, hidden), logits (B, T, vocab))."""
@@ -48,7 +59,7 @@ class StaticVerifier(StaticDecoder):
             gate, up = self.matmul(rms_norm(x, self.norms[i, 1], eps), self.w_gate_up[i]).chunk(2, dim=-1)
             x = x + self.matmul(F.silu(gate) * up, self.w_down[i])
         feats = rms_norm(x, self.final_norm, eps)
-        return feats, F.linear(feats, self.lm_head)
+        return feats, self.matmul(feats, self.lm_head)
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,7 +37,7 @@ import contextlib
 
 import torch
 
-from labkit import bench, eagle, eagle_data, plot
+from labkit import bench, eagle, eagle_data, medusa, plot
 from labkit.bench import floors
 from labkit.checkpoint import load_tokenizer, require_real_model
 from labkit.device import pin_threads
@@ -45,6 +45,7 @@ from labkit.fast_decode import StaticDecoder
 from labkit.fast_verify import StaticVerifier
 from labkit.impl import current, load
 from labkit.testing import real_labkit
+from labkit.train import SMOLLM2_MEDUSA
 
 from .stage06b import crossover, sweep
 
@@ -69,12 +70,13 @@ def compiled_greedy(target, max_len: int):
 
 @contextlib.contextmanager
 def compiled_verification(eg, target, cache, verifier: StaticVerifier, k: int):
-    """Inside: eagle_generate's target cache is `cache` (rewound), and its target forwards of up to k + 1
-    tokens on it (the verifications) run `verifier`; longer ones (the prefill) stay eager."""
+    """Inside: eagle_generate's target cache is `cache` (rewound), and its target forwards of k + 1 tokens on it
+    (the verifications) run `verifier`; the others (the prefill, the last rounds' shorter ones) stay eager,
+    so that one compiled shape serves every full round."""
     eager_forward, new_cache = eg.target_forward, target.new_cache
 
     def target_forward(model, c, ids):
-        if c is not cache or len(ids) > k + 1:
+        if c is not cache or len(ids) != k + 1:
             return eager_forward(model, c, ids)
         feats, logits = verifier(torch.tensor([ids]))
         return feats[0], logits[0].float()
@@ -110,7 +112,7 @@ def draft_step(eg, head, context: int = 96):
 def main(quick: bool = False) -> bench.Result:
     eg = load("stage06_speculative.eagle")
     pin_threads(1)
-    n_prompts, new, repeats = (2, 32, 1) if quick else (6, 64, 2)
+    n_prompts, new, repeats = (2, 32, 1) if quick else (4, 64, 2)
     folder = require_real_model()
     target, tok = real_labkit(), load_tokenizer(folder)
     heads = {"EAGLE": eagle.load(eagle.REAL_EAGLE, target), "EAGLE, full LM head": eagle.load(eagle.REAL_EAGLE, target, full_vocab=True)}  # fmt: skip
@@ -153,7 +155,18 @@ def main(quick: bool = False) -> bench.Result:
     fns = {"plain, compiled step": lambda: [plain(p, new) for p in prompts]}
     fns["plain, eager model"] = lambda: [target.generate(p, new, stop_at_eos=False) for p in prompts]
     fns |= {name: timed(name) for name in runs}
-    for name in runs:  # compiles the verification for every length k_now + 1 a run reaches
+    medusa_runs = {}  # Medusa heads on the same data (python -m labkit.train --only smollm2-medusa), eager verify
+    if (SMOLLM2_MEDUSA / "config.json").is_file():
+        md, heads_m = load("stage06_speculative.medusa"), medusa.load(SMOLLM2_MEDUSA, target)
+        chain = [(0,) * d for d in range(1, K + 1)]
+        for name, paths in {f"Medusa chain, k={K}, eager verify": chain,
+                            f"Medusa {len(md.MEDUSA_CHOICES)}-node tree, eager verify": md.MEDUSA_CHOICES}.items():  # fmt: skip
+
+            def go(name=name, paths=paths):
+                medusa_runs[name] = [md.medusa_generate(target, heads_m, p, new, paths=paths) for p in prompts]
+
+            fns[name] = go
+    for name in runs:  # compiles the verification of k + 1 tokens
         fns[name]()
     times = bench.interleaved(fns, repeats, warmup=0)  # the reference run above compiled the plain step
 
@@ -172,9 +185,15 @@ def main(quick: bool = False) -> bench.Result:
     )  # fmt: skip
     unit = costs["target step, compiled"].median
     base = times["plain, compiled step"].median
+    medusa_accepted = {}
     context = max(len(p) for p in prompts) + new // 2  # a step's mean context, for the bytes it must read
     floor_bytes = len(prompts) * new * floors.decode_bytes(target, context)
-    rows = [{"decoder": name, "accepted_per_verify": None, "acceptance_per_position": None,
+    for name, results in medusa_runs.items():
+        outputs[name] = [out for out, _ in results]
+        stats = [st for _, st in results]
+        rounds_m = sum(st.target_forwards - 1 for st in stats)  # verifications (not the prefill)
+        medusa_accepted[name] = round(sum(st.accepted for st in stats) / max(rounds_m, 1), 3)
+    rows = [{"decoder": name, "accepted_per_verify": medusa_accepted.get(name), "acceptance_per_position": None,
              "identical_prompts": f"{sum(o == r for o, r in zip(outputs.get(name, reference), reference, strict=True))}/{len(prompts)}",
              "seconds": times[name].median, "speedup": base / times[name].median,
              **floors.row(times[name].median, bytes=floor_bytes)} for name in fns if name not in runs]  # fmt: skip
