@@ -4,7 +4,8 @@
     python -m labkit.train --only draft
     python -m labkit.train --only medusa  # Medusa heads on the shipped target (14 min on a busy 2-core VM)
     python -m labkit.train --only lora    # the three LoRA adapters of stage 04 part 2 (2–6 min each on a busy 2-core VM)
-    python -m labkit.train --only eagle   # SmolLM2's EAGLE head (needs make setup): ~30 min answering, 15 min training, busy 2-core VM
+    python -m labkit.train --only eagle   # SmolLM2's EAGLE head (needs make setup): 30-45 min answering, 10 min training, busy 2-core VM
+    python -m labkit.train --only smollm2-medusa   # SmolLM2's Medusa heads on the same answers (after --only eagle): ~10 min
 
 Writes Hugging Face folders labkit/assets/tiny-target and labkit/assets/tiny-draft (bf16 weights,
 one shared byte-level BPE tokenizer) and labkit/assets/training_report.json with the figures the
@@ -19,7 +20,8 @@ so a learner sees which adapter served a request: a character name, a style, a t
 
 The EAGLE head of SmolLM2-135M-Instruct (labkit/eagle.py, stage 06 part 2) is trained on SmolLM2's own
 greedy answers to prompts written in labkit/eagle_data.py (generated once into EAGLE_DATA, outside the
-repository) and goes to labkit/assets/smollm2-eagle, its training report in its config.json.
+repository) and goes to labkit/assets/smollm2-eagle, its training report in its config.json; SmolLM2's
+Medusa heads, trained on the same answers for lab4's comparison, go to labkit/assets/smollm2-medusa.
 """
 
 import argparse
@@ -543,7 +545,7 @@ def main(argv=None):
     ap.add_argument("--target-steps", type=int, default=300)
     ap.add_argument("--draft-steps", type=int, default=300)
     ap.add_argument("--eagle-steps", type=int, default=800)
-    ap.add_argument("--medusa-steps", type=int, default=300, help="SmolLM2's Medusa heads (--only smollm2-medusa)")
+    ap.add_argument("--medusa-steps", type=int, default=1200, help="SmolLM2's Medusa heads (--only smollm2-medusa)")
     ap.add_argument("--eagle-shards", type=int, default=24, help="batches of 64 training prompts SmolLM2 answers")
     ap.add_argument("--threads", type=int, help="torch threads (1 trains faster on a busy machine)")
     args = ap.parse_args(argv)
