@@ -17,7 +17,11 @@ each row's floor is the plain decode's bytes (every weight once per token) at th
 - the cost breakdown: a draft step (one position through fc, the layer and the reduced LM head) and
   a verification over k + 1 tokens, both in units of one plain target step, which is what decides
   whether the accepted tokens pay: speedup ~ (accepted + 1) / (verify + k * draft) in those units;
-- the same head with the target's whole 49,152-token LM head, for what the reduced vocabulary buys;
+- the same head with the target's whole 49,152-token LM head, for what the reduced vocabulary buys, and
+  at k = 2 (a cheaper round where acceptance is low);
+- Medusa heads trained on the same answers (labkit/assets/smollm2-medusa, `python -m labkit.train --only
+  smollm2-medusa`), as a chain of 4 and as stage 06's tree, through the stage's medusa_generate (eager
+  verification);
 - inside stage 06's batching engine (batch_engine.py, every request submitted at once), the EAGLE
   head as its proposer at fixed k and with choose_k (the acceptance-aware policy, on costs measured
   here), against the same engine without speculation, at a few concurrencies (stage06b.sweep: its
