@@ -10,7 +10,8 @@ was taken, which is what lets it predict a feature far better than a head predic
     fc:    concat(f_t, embed(token t + 1)) (2H) -> H
     layer: one Llama decoder layer of the target's shape, with its own small KV cache
     head:  the target's LM head, restricted to `vocab`, the most frequent tokens of the training
-           data (FR-Spec): the draft's LM head is most of a draft step on a 49,152-token vocabulary.
+           data (FR-Spec), then BPE order: the draft's LM head is most of a draft step on a
+           49,152-token vocabulary.
 
 The embedding and LM head rows are the target's (frozen, not saved); fc and the layer are the
 weights (`python -m labkit.train --only eagle` trains SmolLM2's, in labkit/assets/smollm2-eagle).

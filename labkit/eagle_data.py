@@ -6,7 +6,10 @@ the target answers each greedily (batched, left-padded), and every position keep
 final normed hidden state (the LM head's input), the feature the draft regresses on. Held-out
 prompts use subjects no training prompt names.
 
-    python -m labkit.eagle_data OUT_DIR [--train 768] [--heldout 40] [--shards N]   # one shard per 64 prompts
+    python -m labkit.eagle_data OUT_DIR [--train 1536] [--heldout 40] [--shards N]   # one shard per 64 prompts
+
+Training prompts are answered in blocks of BLOCK, sorted by length within a block (a batch of similar
+lengths pads little), so asking for more prompts adds shards and never changes the ones already written.
 """
 
 import argparse
@@ -135,13 +138,16 @@ def answer(model: Llama, batch: list[list[int]], max_new: int, eos: int) -> tupl
     return rows, row_feats
 
 
+BLOCK = 768  # training prompts per block (12 shards)
+
+
 def generate(out: Path, texts: list[str], name: str, shards: int | None = None, batch: int = 64, max_new: int = 128):
-    """Answer `texts` in batches of similar length, shortest prompts first; write the first `shards` (None: all)
-    as out/NAME-NNN.pt ({ids, feats}), skipping those already there."""
+    """Answer `texts` in batches of similar length, shortest prompts first within each BLOCK; write the first
+    `shards` (None: all) as out/NAME-NNN.pt ({ids, feats}), skipping those already there."""
     folder = require_real_model()
     tok, model = load_tokenizer(folder), from_pretrained(folder).eval()
     eos = model.config.eos_token_id
-    encoded = sorted((tok.encode(t).ids for t in texts), key=len)
+    encoded = [p for b in range(0, len(texts), BLOCK) for p in sorted((tok.encode(t).ids for t in texts[b : b + BLOCK]), key=len)]  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     t0, n_tokens = time.time(), 0
     for shard, i in enumerate(range(0, len(encoded), batch)):
@@ -159,7 +165,7 @@ def generate(out: Path, texts: list[str], name: str, shards: int | None = None, 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--train", type=int, default=768)
+    ap.add_argument("--train", type=int, default=2 * BLOCK)
     ap.add_argument("--heldout", type=int, default=40)
     ap.add_argument("--shards", type=int, help="answer only the first SHARDS batches of training prompts")
     args = ap.parse_args(argv)

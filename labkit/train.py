@@ -4,7 +4,8 @@
     python -m labkit.train --only draft
     python -m labkit.train --only medusa  # Medusa heads on the shipped target (14 min on a busy 2-core VM)
     python -m labkit.train --only lora    # the three LoRA adapters of stage 04 part 2 (2–6 min each on a busy 2-core VM)
-    python -m labkit.train --only eagle   # SmolLM2's EAGLE head (needs make setup): ~30 min answering, 15 min training, busy 2-core VM
+    python -m labkit.train --only eagle   # SmolLM2's EAGLE head (needs make setup): 30-45 min answering, 10 min training, busy 2-core VM
+    python -m labkit.train --only smollm2-medusa   # SmolLM2's Medusa heads on the same answers (after --only eagle): ~10 min
 
 Writes Hugging Face folders labkit/assets/tiny-target and labkit/assets/tiny-draft (bf16 weights,
 one shared byte-level BPE tokenizer) and labkit/assets/training_report.json with the figures the
@@ -19,7 +20,8 @@ so a learner sees which adapter served a request: a character name, a style, a t
 
 The EAGLE head of SmolLM2-135M-Instruct (labkit/eagle.py, stage 06 part 2) is trained on SmolLM2's own
 greedy answers to prompts written in labkit/eagle_data.py (generated once into EAGLE_DATA, outside the
-repository) and goes to labkit/assets/smollm2-eagle, its training report in its config.json.
+repository) and goes to labkit/assets/smollm2-eagle, its training report in its config.json; SmolLM2's
+Medusa heads, trained on the same answers for lab4's comparison, go to labkit/assets/smollm2-medusa.
 """
 
 import argparse
@@ -192,7 +194,9 @@ def train_medusa(target: Llama, tokenizer, steps: int = 400, batch: int = 1024, 
 
 
 EAGLE_DATA = Path("~/.cache/llm-course/eagle-data").expanduser()  # SmolLM2's answers and features, not shipped
-EAGLE_VOCAB = 4096  # the draft's LM head: this many most frequent tokens of the training data
+EAGLE_VOCAB = 8192  # the draft's LM head: the training data's tokens, most frequent first, then the lowest unseen
+# ids (BPE's earliest merges, frequent in the tokenizer's own corpus): held-out subjects bring words the
+# training answers never used (the data's 3,421 tokens covered 85 % of held-out answers, 8,192 this way 91 %)
 EAGLE_LR = 2e-3  # peak; only fc and the layer train, the target is frozen
 EAGLE_NOISE = 0.2  # uniform noise on the input features (EAGLE's augmentation), relative to their std
 EAGLE_CE = 0.1  # weight of the token loss beside the feature regression (the EAGLE paper's)
@@ -208,6 +212,16 @@ def eagle_rows(folder: Path, name: str, shards: int | None = None) -> list[tuple
             answer = max(i for i, t in enumerate(ids) if t == 1) + 4  # after "<|im_start|>assistant\n"
             rows.append((torch.tensor(ids), feats.float(), answer))
     return rows
+
+
+def eagle_vocab(rows, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft's EAGLE_VOCAB token ids (the rows' tokens by count, then unseen ids in BPE order), and each
+    token's index among them (-100 outside)."""
+    counts = torch.bincount(torch.cat([r[0] for r in rows]), minlength=vocab_size)
+    vocab = counts.argsort(descending=True, stable=True)[:EAGLE_VOCAB]  # ties (count 0 included) by id
+    index_of = torch.full((vocab_size,), -100)
+    index_of[vocab] = torch.arange(len(vocab))
+    return vocab, index_of
 
 
 def eagle_batch(rows, picks: list[int], index_of: torch.Tensor):
@@ -259,6 +273,18 @@ def eagle_acceptance(head: eagle.EagleHead, rows, k: int = 4, stride: int = 8) -
     }
 
 
+@torch.no_grad()
+def eagle_top1(head: eagle.EagleHead, rows) -> float:
+    """How often the first draft (from the true feature) is the target's next answer token, teacher-forced:
+    on training rows against held-out ones, the gap says whether the head overfits or underfits."""
+    right = total = 0
+    for ids, feats, answer in rows:
+        guess = head.vocab[(head(feats[None], ids[None, 1:])[0] @ head.lm_head_weight.T).argmax(-1)]
+        right += int((guess[answer - 2 : -1] == ids[answer:]).sum())  # guess[i] is for token i + 2
+        total += len(ids) - answer
+    return round(right / max(total, 1), 4)
+
+
 def eagle_second_step(head: eagle.EagleHead, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
     """The draft's second step at every position at once (EAGLE-3's training-time test, one step deep).
 
@@ -297,10 +323,7 @@ def train_eagle(steps: int, shards: int, batch: int = 4, seed: int = 4) -> dict:
     for p in target.parameters():
         p.requires_grad_(False)
     rows, heldout = eagle_rows(EAGLE_DATA, "train", shards), eagle_rows(EAGLE_DATA, "heldout")
-    counts = torch.bincount(torch.cat([r[0] for r in rows]), minlength=target.config.vocab_size)
-    vocab = counts.argsort(descending=True, stable=True)[: min(EAGLE_VOCAB, int((counts > 0).sum()))]
-    index_of = torch.full((target.config.vocab_size,), -100)
-    index_of[vocab] = torch.arange(len(vocab))
+    vocab, index_of = eagle_vocab(rows, target.config.vocab_size)
     n_tokens = sum(len(r[0]) for r in rows)
     print(f"eagle: {len(rows)} answers, {n_tokens} tokens, vocabulary {len(vocab)}, {steps} steps", flush=True)
     head = eagle.attach(target, vocab, seed).train()
@@ -342,10 +365,85 @@ def train_eagle(steps: int, shards: int, batch: int = 4, seed: int = 4) -> dict:
         "vocab_coverage_heldout": round(index_of[torch.cat([r[0] for r in heldout])].ne(-100).float().mean().item(), 4),
         "params": sum(p.numel() for p in head.parameters()),
         "steps": steps, "batch": batch, "train_seconds": round(secs), "loss_log": log,
+        "first_draft_top1": {"train": eagle_top1(head, rows[:: max(1, len(rows) // 40)]), "heldout": eagle_top1(head, heldout)},
         "heldout": eagle_acceptance(head, heldout),
     }  # fmt: skip
     eagle.save(head, eagle.REAL_EAGLE, report)
     return report
+
+
+SMOLLM2_MEDUSA = ASSETS / "smollm2-medusa"
+
+
+def train_smollm2_medusa(steps: int, shards: int, batch: int = 256, seed: int = 5) -> dict:
+    """Medusa-1 heads for SmolLM2 on EAGLE's data and vocabulary, for the side-by-side comparison: head k reads
+    the target's feature f_t alone and learns its greedy token t + k + 1 (cross-entropy over the reduced LM
+    head, EAGLE_VOCAB rows, which keeps a step cheap; they ship without it and read the full LM head)."""
+    from .checkpoint import require_real_model
+
+    eagle_data.main([str(EAGLE_DATA), "--shards", str(shards)])  # answers only what is not there yet
+    target = from_pretrained(require_real_model()).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    rows, heldout = eagle_rows(EAGLE_DATA, "train", shards), eagle_rows(EAGLE_DATA, "heldout")
+    vocab, index_of = eagle_vocab(rows, target.config.vocab_size)
+    reduced = torch.nn.Linear(target.config.hidden_size, len(vocab), bias=False)
+    reduced.weight.data.copy_(target.lm_head.weight[vocab])
+    reduced.requires_grad_(False)
+    K = MEDUSA_HEADS
+    feats, labels = [], []  # every answer position t, and head k's label: token t + k + 1 (-100: none)
+    for ids, f, answer in rows:
+        padded = torch.cat([index_of[ids], torch.full((K + 1,), -100)])
+        t = torch.arange(answer - 1, len(ids) - 1)
+        feats.append(f[t])
+        labels.append(torch.stack([padded[t + k + 1] for k in range(1, K + 1)], dim=1))
+    feats, labels = torch.cat(feats), torch.cat(labels)
+    heads = medusa.MedusaHeads(K, reduced).train()
+    opt = torch.optim.AdamW(heads.parameters(), lr=MEDUSA_LR, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    t0, log = time.time(), []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, MEDUSA_LR, warmup=10)
+        n = torch.randint(0, len(feats), (batch,), generator=gen)
+        logits = heads(feats[n])  # (batch, K, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels[n].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 25 == 0 or step == steps - 1:
+            log.append({"step": step, "ce": round(loss.item(), 4)})
+            print(f"  step {step:4d}/{steps}  {log[-1]}  {time.time() - t0:6.0f}s", flush=True)
+    full = medusa.MedusaHeads(K, target.lm_head)  # the same blocks on the whole LM head, as shipped
+    full.load_state_dict(heads.state_dict())
+    report = {"data": "the EAGLE head's (labkit.eagle_data)", "answers": len(rows), "heads": K, "steps": steps,
+              "batch": batch, "train_seconds": round(time.time() - t0), "loss_log": log,
+              "heldout": medusa_chain_acceptance(full.eval(), heldout, K)}  # fmt: skip
+    medusa.save(full, SMOLLM2_MEDUSA, report)
+    return report
+
+
+@torch.no_grad()
+def medusa_chain_acceptance(heads: medusa.MedusaHeads, rows, k: int, stride: int = 8) -> dict:
+    """eagle_acceptance's count for Medusa's chain of top-1 guesses, at the same positions: where EAGLE reads
+    (f_{t-1}, token t) and drafts t + 1 .. t + k, head j reads f_{t-1} alone and guesses token t + j."""
+    right, tried, accepted, rounds = [0] * k, [0] * k, 0, 0
+    for ids, feats, answer in rows:
+        for t in range(len(ids) - k - 1, answer - 1, -stride):
+            guesses, n = heads(feats[t - 1]).argmax(-1).tolist(), 0
+            for j in range(k):
+                tried[j] += 1
+                if guesses[j] != int(ids[t + 1 + j]):
+                    break
+                right[j] += 1
+                n += 1
+            accepted, rounds = accepted + n, rounds + 1
+    return {
+        "k": k,
+        "acceptance_per_position": [round(r / max(t, 1), 4) for r, t in zip(right, tried, strict=True)],
+        "accepted_per_verification": round(accepted / max(rounds, 1), 3),
+        "verifications": rounds,
+    }
 
 
 # The LoRA adapters: how each rewrites the training stories, the modules it adapts, its rank, and
@@ -440,14 +538,15 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
         "--only",
-        choices=["target", "draft", "medusa", "lora", "eagle"],
+        choices=["target", "draft", "medusa", "lora", "eagle", "smollm2-medusa"],
         help="train just one part (draft, medusa and lora need the target)",
     )
     ap.add_argument("--lora-steps", type=int, default=60)
     ap.add_argument("--target-steps", type=int, default=300)
     ap.add_argument("--draft-steps", type=int, default=300)
-    ap.add_argument("--eagle-steps", type=int, default=400)
-    ap.add_argument("--eagle-shards", type=int, default=4, help="batches of 64 training prompts SmolLM2 answers")
+    ap.add_argument("--eagle-steps", type=int, default=800)
+    ap.add_argument("--medusa-steps", type=int, default=1200, help="SmolLM2's Medusa heads (--only smollm2-medusa)")
+    ap.add_argument("--eagle-shards", type=int, default=24, help="batches of 64 training prompts SmolLM2 answers")
     ap.add_argument("--threads", type=int, help="torch threads (1 trains faster on a busy machine)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -464,6 +563,11 @@ def main(argv=None):
         report["smollm2_eagle"] = train_eagle(args.eagle_steps, args.eagle_shards)
         report_file.write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps(report["smollm2_eagle"], indent=2))
+        return
+    if args.only == "smollm2-medusa":
+        report["smollm2_medusa"] = train_smollm2_medusa(args.medusa_steps, args.eagle_shards)
+        report_file.write_text(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report["smollm2_medusa"], indent=2))
         return
     if args.only == "lora":
         report["lora"] = train_adapters(load_tokenizer(TARGET), args.lora_steps)

@@ -6,7 +6,10 @@
 Batch 1, greedy, one thread, held-out chat prompts (labkit.eagle_data: subjects no training prompt
 names). The baseline is plain greedy decoding with the compiled one-token step (labkit.fast_decode.
 StaticDecoder, torch.compile), the fastest plain decode the course has; the eager model's own
-generate is timed beside it. All variants run interleaved in one process, medians of repeats.
+generate is timed beside it. EAGLE's verification runs the same weights compiled for k + 1 tokens
+(labkit.fast_verify.StaticVerifier, on the same cache), so both sides use the compiler; the eager
+verification is a row of its own. All variants run interleaved in one process, medians of repeats;
+each row's floor is the plain decode's bytes (every weight once per token) at the measured bandwidth.
 
 - acceptance per draft position j: of the rounds whose drafts 1..j-1 were all accepted, how many
   accepted draft j too; accepted per verification is the mean run of accepted drafts (the tokens a
@@ -14,7 +17,11 @@ generate is timed beside it. All variants run interleaved in one process, median
 - the cost breakdown: a draft step (one position through fc, the layer and the reduced LM head) and
   a verification over k + 1 tokens, both in units of one plain target step, which is what decides
   whether the accepted tokens pay: speedup ~ (accepted + 1) / (verify + k * draft) in those units;
-- the same head with the target's whole 49,152-token LM head, for what the reduced vocabulary buys;
+- the same head with the target's whole 49,152-token LM head, for what the reduced vocabulary buys, and
+  at k = 2 (a cheaper round where acceptance is low);
+- Medusa heads trained on the same answers (labkit/assets/smollm2-medusa, `python -m labkit.train --only
+  smollm2-medusa`), as a chain of 4 and as stage 06's tree, through the stage's medusa_generate (eager
+  verification);
 - inside stage 06's batching engine (batch_engine.py, every request submitted at once), the EAGLE
   head as its proposer at fixed k and with choose_k (the acceptance-aware policy, on costs measured
   here), against the same engine without speculation, at a few concurrencies (stage06b.sweep: its
@@ -30,19 +37,24 @@ Whether each variant emits exactly the compiled baseline's tokens is recorded pe
 over k + 1 tokens sums in another order than a one-token step, so a near-tie may flip).
 """
 
+import contextlib
+
 import torch
 
-from labkit import bench, eagle, eagle_data, plot
+from labkit import bench, eagle, eagle_data, medusa, plot
+from labkit.bench import floors
 from labkit.checkpoint import load_tokenizer, require_real_model
 from labkit.device import pin_threads
 from labkit.fast_decode import StaticDecoder
+from labkit.fast_verify import StaticVerifier
 from labkit.impl import current, load
 from labkit.testing import real_labkit
+from labkit.train import SMOLLM2_MEDUSA
 
 from .stage06b import crossover, sweep
 
 K = 4
-ENGINE_CONCURRENCY = [1, 4]
+ENGINE_CONCURRENCY = [1, 2, 4]
 
 
 def compiled_greedy(target, max_len: int):
@@ -58,6 +70,32 @@ def compiled_greedy(target, max_len: int):
         return out
 
     return run, decoder, cache
+
+
+@contextlib.contextmanager
+def compiled_verification(eg, target, cache, verifier: StaticVerifier, k: int):
+    """Inside: eagle_generate's target cache is `cache` (rewound), and its target forwards of k + 1 tokens on it
+    (the verifications) run `verifier`; the others (the prefill, the last rounds' shorter ones) stay eager,
+    so that one compiled shape serves every full round."""
+    eager_forward, new_cache = eg.target_forward, target.new_cache
+
+    def target_forward(model, c, ids):
+        if c is not cache or len(ids) != k + 1:
+            return eager_forward(model, c, ids)
+        feats, logits = verifier(torch.tensor([ids]))
+        return feats[0], logits[0].float()
+
+    def shared_cache(batch, max_len):
+        if batch != 1 or max_len > cache.max_seq_len:
+            raise ValueError(f"the compiled verification's cache holds {cache.max_seq_len} positions, not {max_len}")
+        cache.truncate(0)
+        return cache
+
+    eg.target_forward, target.new_cache = target_forward, shared_cache
+    try:
+        yield
+    finally:
+        eg.target_forward, target.new_cache = eager_forward, new_cache
 
 
 def draft_step(eg, head, context: int = 96):
@@ -78,15 +116,16 @@ def draft_step(eg, head, context: int = 96):
 def main(quick: bool = False) -> bench.Result:
     eg = load("stage06_speculative.eagle")
     pin_threads(1)
-    n_prompts, new, repeats = (2, 32, 1) if quick else (3, 48, 2)
+    n_prompts, new, repeats = (2, 32, 1) if quick else (4, 64, 2)
     folder = require_real_model()
     target, tok = real_labkit(), load_tokenizer(folder)
     heads = {"EAGLE": eagle.load(eagle.REAL_EAGLE, target), "EAGLE, full LM head": eagle.load(eagle.REAL_EAGLE, target, full_vocab=True)}  # fmt: skip
     prompts = [tok.encode(p).ids for p in eagle_data.prompts(n_prompts, heldout=True)]
-    plain, decoder, cache = compiled_greedy(
-        target, max(128, max(len(p) for p in prompts) + new + 1)
-    )  # 96 + 1 for the cost timings
+    # one cache for the plain decode and EAGLE's verification: a prompt, its tokens and k + 1 drafts; 96 + k + 1
+    # for the cost timings
+    plain, decoder, cache = compiled_greedy(target, max(128, max(len(p) for p in prompts) + new + K + 1))
     reference = [plain(p, new) for p in prompts]  # also compiles the step before any timing
+    verifier = StaticVerifier(target, cache)
 
     rounds: dict[str, list[tuple[int, int]]] = {}
     verify = eg.verify
@@ -100,17 +139,20 @@ def main(quick: bool = False) -> bench.Result:
 
         return fn
 
-    runs = {f"{name}, k={K}": (head, K) for name, head in heads.items()}
+    runs = {f"{name}, k={K}": (head, K, True) for name, head in heads.items()}
+    runs[f"EAGLE, k={K}, eager verify"] = (heads["EAGLE"], K, False)
+    runs["EAGLE, k=2"] = (heads["EAGLE"], 2, True)  # fewer drafts: where acceptance is low, a cheaper round
     outputs = {name: [] for name in runs}
 
     def timed(name):
-        head, k = runs[name]
+        head, k, compiled = runs[name]
 
         def go():
             rounds[name], outputs[name] = [], []
             eg.verify = counted(name)
-            for p in prompts:
-                outputs[name].append(eg.eagle_generate(target, head, p, new, k=k)[0])
+            with compiled_verification(eg, target, cache, verifier, k) if compiled else contextlib.nullcontext():
+                for p in prompts:
+                    outputs[name].append(eg.eagle_generate(target, head, p, new, k=k)[0])
             eg.verify = verify
 
         return go
@@ -118,6 +160,19 @@ def main(quick: bool = False) -> bench.Result:
     fns = {"plain, compiled step": lambda: [plain(p, new) for p in prompts]}
     fns["plain, eager model"] = lambda: [target.generate(p, new, stop_at_eos=False) for p in prompts]
     fns |= {name: timed(name) for name in runs}
+    medusa_runs = {}  # Medusa heads on the same data (python -m labkit.train --only smollm2-medusa), eager verify
+    if (SMOLLM2_MEDUSA / "config.json").is_file():
+        md, heads_m = load("stage06_speculative.medusa"), medusa.load(SMOLLM2_MEDUSA, target)
+        chain = [(0,) * d for d in range(1, K + 1)]
+        for name, paths in {f"Medusa chain, k={K}, eager verify": chain,
+                            f"Medusa {len(md.MEDUSA_CHOICES)}-node tree, eager verify": md.MEDUSA_CHOICES}.items():  # fmt: skip
+
+            def go(name=name, paths=paths):
+                medusa_runs[name] = [md.medusa_generate(target, heads_m, p, new, paths=paths) for p in prompts]
+
+            fns[name] = go
+    for name in runs:  # compiles the verification of k + 1 tokens
+        fns[name]()
     times = bench.interleaved(fns, repeats, warmup=0)  # the reference run above compiled the plain step
 
     def compiled_step():
@@ -129,15 +184,25 @@ def main(quick: bool = False) -> bench.Result:
     costs = bench.interleaved(
         {"target step, compiled": compiled_step, "target step, eager": bench.decode_step(target, 96, 1),
          f"verify {K + 1} tokens, eager": bench.decode_step(target, 96, K + 1),
+         f"verify {K + 1} tokens, compiled": lambda: (verifier(torch.ones(1, K + 1, dtype=torch.long)), cache.truncate(96)),
          **{f"draft step, {name}": draft_step(eg, head) for name, head in heads.items()}},
         10 if quick else 30, warmup=3,
     )  # fmt: skip
     unit = costs["target step, compiled"].median
     base = times["plain, compiled step"].median
-    rows = [{"decoder": name, "accepted_per_verify": None, "acceptance_per_position": None,
+    medusa_accepted = {}
+    context = max(len(p) for p in prompts) + new // 2  # a step's mean context, for the bytes it must read
+    floor_bytes = len(prompts) * new * floors.decode_bytes(target, context)
+    for name, results in medusa_runs.items():
+        outputs[name] = [out for out, _ in results]
+        stats = [st for _, st in results]
+        rounds_m = sum(st.target_forwards - 1 for st in stats)  # verifications (not the prefill)
+        medusa_accepted[name] = round(sum(st.accepted for st in stats) / max(rounds_m, 1), 3)
+    rows = [{"decoder": name, "accepted_per_verify": medusa_accepted.get(name), "acceptance_per_position": None,
              "identical_prompts": f"{sum(o == r for o, r in zip(outputs.get(name, reference), reference, strict=True))}/{len(prompts)}",
-             "seconds": times[name].median, "speedup": base / times[name].median} for name in fns if name not in runs]  # fmt: skip
-    for name, (_, k) in runs.items():
+             "seconds": times[name].median, "speedup": base / times[name].median,
+             **floors.row(times[name].median, bytes=floor_bytes)} for name in fns if name not in runs]  # fmt: skip
+    for name, (_, k, _) in runs.items():
         r = rounds[name]
         per_position = []
         for j in range(1, k + 1):
@@ -150,6 +215,7 @@ def main(quick: bool = False) -> bench.Result:
             "identical_prompts": f"{sum(o == ref for o, ref in zip(outputs[name], reference, strict=True))}/{len(prompts)}",
             "seconds": times[name].median,
             "speedup": base / times[name].median,
+            **floors.row(times[name].median, bytes=floor_bytes),
         })  # fmt: skip
     cost_rows = {name: round(t.median / unit, 3) for name, t in costs.items()}
     eng = load("stage06_speculative.batch_engine")
@@ -175,7 +241,7 @@ def main(quick: bool = False) -> bench.Result:
     )
     figures = {"prompts": len(prompts), "new_tokens": new, "repeats": repeats, "k": K,
                "target_step_compiled_s": unit, "costs_in_compiled_target_steps": cost_rows,
-               "head_vocab": len(heads["EAGLE"].vocab), "engine": engine_rows,
+               "head_vocab": len(heads["EAGLE"].vocab), "engine": engine_rows, **floors.figures(),
                "engine_crossover_fixed_k": crossover(engine_rows) if "error" not in engine_rows[0] else None,
                "engine_crossover_adaptive": crossover(engine_rows, "adaptive_speedup") if "error" not in engine_rows[0] else None}  # fmt: skip
     return bench.Result(rows, figures, _plot(rows))
