@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch.profiler import profile
 
-from labkit import bench, cpu_kernels
+from labkit import bench, cpu_kernels, plot
 from labkit.bench import floors
 from labkit.checkpoint import model_folder, real_model_folder
 from labkit.device import pin_threads
@@ -155,6 +155,7 @@ def hf_step(hf):
             hf(ids, past_key_values=past, use_cache=True)
         past.crop(-1)  # drop the token just written
 
+    step.weight_bytes = floors.weight_bytes(hf)
     return step
 
 
@@ -285,7 +286,33 @@ def main(quick: bool = False) -> bench.Result:
                              **floors.row(t.median, flops=floors.forward_flops(model, n))})  # fmt: skip
             figures[f"floors_{threads}_threads"] = floors.figures()
             del llms, steps, prefills
-    print(bench.table(rows, title=f"decode at context {CONTEXT} and prefill, {which}, median; vs: ratio of times"))
+    decode = [r for r in rows if r["what"] == "decode"]  # the two kinds of row have different columns
+    print(bench.table(decode, title=f"decode at context {CONTEXT}, {which}, median; vs: ratio of times"))
+    print(bench.table([r for r in rows if r["what"] != "decode"], title=f"prefill, {which}, median"))
     print(f"greedy over {GREEDY_TOKENS} tokens, compiled cpp step against the eager model on the same weights: "
           f"{figures['greedy']}")  # fmt: skip
-    return bench.Result(rows, figures)
+    return bench.Result(rows, figures, plot_decode(decode, which))
+
+
+def plot_decode(rows: list[dict], which: str):
+    """ms per step of the compiled cpp step and llama.cpp at each precision and thread count, floors dashed."""
+    plt = plot.setup()
+    fig, ax = plt.subplots()
+    for i, (w, mix) in enumerate(LLAMACPP.items()):
+        for j, threads in enumerate(THREADS):
+            at = {r["variant"]: r for r in rows if r["threads"] == threads}
+            x = 3 * i + 1.2 * j
+            for dx, name in [(0, f"StaticDecoder, compiled, cpp {w}"), (0.5, f"llama.cpp {mix}")]:
+                if name in at:
+                    ax.bar(x + dx, at[name]["ms"], 0.45, color="C0" if dx == 0 else "C1")
+                    ax.hlines(at[name]["floor ms"], x + dx - 0.22, x + dx + 0.22, colors="k", linestyles="dashed")
+    ax.set_xticks([3 * i + 1.2 * j + 0.25 for i in range(3) for j in range(len(THREADS))],
+                  [f"{w}\n{t} thr" for w in LLAMACPP for t in THREADS])  # fmt: skip
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color="C0", label="course (compiled, labkit.cpu_kernels)"),
+                       Patch(color="C1", label="llama.cpp (F32 / Q8_0 / Q4_1)"),
+                       Line2D([], [], color="k", linestyle="dashed", label="floor: bytes / copy rate")])  # fmt: skip
+    ax.set(ylabel=f"ms per decode step at context {CONTEXT}", title=f"One decode step: {which}")
+    return fig
