@@ -312,10 +312,8 @@ def eagle_second_step(head: eagle.EagleHead, x1: torch.Tensor, x2: torch.Tensor)
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def train_eagle(steps: int, shards: int, batch: int = 4, seed: int = 4) -> dict:
-    """Self-distillation: SmolLM2 answers prompts written in labkit.eagle_data (generated once into EAGLE_DATA),
-    then fc and the layer learn to predict its next feature (smooth L1) and, through its LM head restricted to
-    the EAGLE_VOCAB most frequent tokens, its next token (cross-entropy). Saves to labkit.eagle.REAL_EAGLE."""
+def _frozen_target_and_answers(shards: int):
+    """SmolLM2 frozen, its self-distilled answers (train shards, held out) and the head vocabulary they give."""
     from .checkpoint import require_real_model
 
     eagle_data.main([str(EAGLE_DATA), "--shards", str(shards)])  # answers only what is not there yet
@@ -324,6 +322,14 @@ def train_eagle(steps: int, shards: int, batch: int = 4, seed: int = 4) -> dict:
         p.requires_grad_(False)
     rows, heldout = eagle_rows(EAGLE_DATA, "train", shards), eagle_rows(EAGLE_DATA, "heldout")
     vocab, index_of = eagle_vocab(rows, target.config.vocab_size)
+    return target, rows, heldout, vocab, index_of
+
+
+def train_eagle(steps: int, shards: int, batch: int = 4, seed: int = 4) -> dict:
+    """Self-distillation: SmolLM2 answers prompts written in labkit.eagle_data (generated once into EAGLE_DATA),
+    then fc and the layer learn to predict its next feature (smooth L1) and, through its LM head restricted to
+    the EAGLE_VOCAB most frequent tokens, its next token (cross-entropy). Saves to labkit.eagle.REAL_EAGLE."""
+    target, rows, heldout, vocab, index_of = _frozen_target_and_answers(shards)
     n_tokens = sum(len(r[0]) for r in rows)
     print(f"eagle: {len(rows)} answers, {n_tokens} tokens, vocabulary {len(vocab)}, {steps} steps", flush=True)
     head = eagle.attach(target, vocab, seed).train()
@@ -379,14 +385,7 @@ def train_smollm2_medusa(steps: int, shards: int, batch: int = 256, seed: int = 
     """Medusa-1 heads for SmolLM2 on EAGLE's data and vocabulary, for the side-by-side comparison: head k reads
     the target's feature f_t alone and learns its greedy token t + k + 1 (cross-entropy over the reduced LM
     head, EAGLE_VOCAB rows, which keeps a step cheap; they ship without it and read the full LM head)."""
-    from .checkpoint import require_real_model
-
-    eagle_data.main([str(EAGLE_DATA), "--shards", str(shards)])  # answers only what is not there yet
-    target = from_pretrained(require_real_model()).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
-    rows, heldout = eagle_rows(EAGLE_DATA, "train", shards), eagle_rows(EAGLE_DATA, "heldout")
-    vocab, index_of = eagle_vocab(rows, target.config.vocab_size)
+    target, rows, heldout, vocab, index_of = _frozen_target_and_answers(shards)
     reduced = torch.nn.Linear(target.config.hidden_size, len(vocab), bias=False)
     reduced.weight.data.copy_(target.lm_head.weight[vocab])
     reduced.requires_grad_(False)
