@@ -12,6 +12,11 @@ def pytest_addoption(parser):
         default=None,
         help="whose stage code the graded tests run: the learner's skeleton (default) or the reference solution",
     )
+    parser.addoption(
+        "--file-order",
+        action="store_true",
+        help="run the test files named in the order given, not in handout order (the mutant runner's -x)",
+    )
 
 
 def pytest_configure(config):

@@ -206,9 +206,9 @@ def is_stage_test(path: Path) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
-    # Files named one by one on the command line keep that order: the mutant runner puts the files that load the
-    # mutated module first so that -x stops early; folders sort by handout order.
-    named = [Path(a.split("::")[0]).resolve() for a in config.args]
+    # --file-order: the files named keep the command line's order (the mutant runner names the files that load the
+    # mutated module first, so that -x stops early); otherwise handout order.
+    named = [Path(a.split("::")[0]).resolve() for a in config.args] if config.getoption("file_order", False) else []
     named = {p: k for k, p in enumerate(named) if p.suffix == ".py"}
     folders, order = {}, {}
     for i, item in enumerate(items):  # a stage's sub-folder (stage 07's fleet/) sorts with its stage

@@ -260,7 +260,7 @@ class Workspace:
         original = path.read_text()
         xml, log = self.tmp / "junit.xml", self.tmp / "pytest.log"
         xml.unlink(missing_ok=True)
-        args = [*test_files(m.stage, m), "--impl", "solution", "-x", "-q", "-p", "no:cacheprovider"]
+        args = [*test_files(m.stage, m), "--impl", "solution", "--file-order", "-x", "-q", "-p", "no:cacheprovider"]
         path.write_text(original.replace(m.find, m.replace))
         t0 = time.perf_counter()
         try:
