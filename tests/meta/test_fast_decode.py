@@ -149,6 +149,34 @@ def test_cpp_kernels_equal_dequantized_weights():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("c++"), reason="labkit.cpu_kernels compiles C++: no c++ compiler on PATH")
+def test_cpp_decode_attention_equals_sdpa():
+    """decode_attention against PyTorch's SDPA over the keys 0..pos: GQA ratios 1, 3 and 4, a batch, the first
+    slot alone, the last slot, and a cache view (a slice of a longer buffer's heads keeps its row strides)."""
+    ops = cpu_kernels.ops()
+    if ops is None:
+        pytest.skip("labkit.cpu_kernels needs an x86 CPU with AVX2")
+    for B, H, KV, S, D, pos in [
+        (1, 9, 3, 256, 64, 127),
+        (2, 4, 4, 16, 32, 0),
+        (3, 8, 2, 64, 64, 63),
+        (2, 6, 2, 24, 16, 23),
+    ]:
+        seed = B * 1000 + S + pos
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(B, H, D, generator=gen) * 3  # large scores: the softmax's max subtraction matters
+        k, v = torch.randn(B, KV + 1, S, D, generator=gen)[:, 1:], torch.randn(B, KV, S, D, generator=gen)
+        n = pos + 1
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, None].double(),
+            k[:, :, :n].double().repeat_interleave(H // KV, 1),
+            v[:, :, :n].double().repeat_interleave(H // KV, 1),
+        )[:, :, 0]
+        got = ops.decode_attention(q, k, v, torch.tensor([pos]))
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5, msg=f"seed={seed} {(B, H, KV, S, D, pos)}")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not shutil.which("c++"), reason="labkit.cpu_kernels compiles C++: no c++ compiler on PATH")
 @pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
 def test_cpp_step_compiled_equals_eager(weights):
     """kernels="cpp" inside torch.compile's graph computes what it computes eagerly, and fp32 what the model does."""
