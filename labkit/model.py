@@ -468,19 +468,23 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32)
     config = Config.from_hf(checkpoint.read_config(path, family="llama"))
     checkpoint.check_fits(path, num_params(config), dtype)
     state = checkpoint.load_state_dict(path)
-    checkpoint.check_state(state, expected_shapes(config), config.tie_word_embeddings, path)
+    model = Llama(config)  # first: the checks read its shapes (a meta build would cost a second, below)
+    checkpoint.check_state(state, expected_shapes(config, model), config.tie_word_embeddings, path)
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model = Llama(config)
     model.load_state_dict(state, strict=True)
     return model.to(dtype).eval()
 
 
-def expected_shapes(config: Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor name a checkpoint of `config` holds, with its shape (built on the meta device:
-    no memory). A tied lm_head.weight is left out, as save_pretrained leaves it out."""
-    with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in Llama(config).state_dict().items()}
+def expected_shapes(config: Config, model: Llama | None = None) -> dict[str, tuple[int, ...]]:
+    """Every tensor name a checkpoint of `config` holds, with its shape, read off `model` (a Llama of
+    `config`) or else one built on the meta device (no memory, but the embedding's normal_ on a meta
+    tensor imports torch._dynamo: a second or two, once per process). A tied lm_head.weight is left
+    out, as save_pretrained leaves it out."""
+    if model is None:
+        with torch.device("meta"):
+            model = Llama(config)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight")
     return shapes

@@ -8,8 +8,8 @@
 A row's score is computed over its canonical test IDs, collected before any learner code is
 imported, with the marks tests/conftest.py puts on them: each test's handout section (`s3`), the
 TODOs it calls, and `in_process`. A TODO whose statement is still in the learner's file is not
-started: the tests of a section whose TODOs are all untouched are reported "not started" without
-running, and a stage with nothing started is reported without even collecting its tests (total
+started: the tests of a section whose TODOs are all untouched, and every test of a part 2 notebook none of
+whose TODOs is started, are reported "not started" without running, and a stage with nothing started is reported without even collecting its tests (total
 "–"). The others run; outcomes come back one test at a time through a pipe (labkit.grading.outcomes),
 and a test that never reports (a crash, an early exit, a time limit) counts as failed. `make grade STAGE=NN` prints one line per TODO, in handout order, with the first
 failing test's own message under a TODO that fails; a failure raised by another TODO's NotImplementedError
@@ -109,16 +109,26 @@ def row_todos(course: Path, source: Path, number: str) -> list[dict]:
 
 
 def not_started(tests: list[dict], todos: list[dict], any_started: bool) -> set[str]:
-    """The tests that cannot pass yet: those of a section whose TODOs are all untouched, and while no
-    TODO of the stage is started, those of no section. They are reported without running."""
+    """The tests that cannot pass yet: those of a section whose TODOs are all untouched, every test of a part 2
+    notebook none of whose TODOs is started (untouched_notebooks), and while no TODO of the stage is started,
+    those of no section. They are reported without running."""
     started = {tuple(t["section"]) for t in todos if t["started"]}
     sections = {tuple(t["section"]) for t in todos}
+    idle = untouched_notebooks(todos)
     return {
         t["id"]
         for t in tests
         if (t["section"] is None and not any_started)
-        or (t["section"] is not None and tuple(t["section"]) in sections - started)
+        or (t["section"] is not None and (tuple(t["section"]) in sections - started or t["section"][0] in idle))
     }
+
+
+def untouched_notebooks(todos: list[dict]) -> set[int]:
+    """The part 2 notebooks (2 for lab2.ipynb) none of whose TODOs is started. Their sections without a TODO of
+    their own wait on the notebook's TODOs too (stage 07's disaggregated fleet, lab5 §2, runs lab5 §1's KV
+    connector), so none of their tests runs: a fleet started only to fail costs a half-done row seconds."""
+    begun = {t["section"][0] for t in todos if t["started"]}
+    return {t["section"][0] for t in todos if t["section"][0] > 1} - begun
 
 
 def section_name(section) -> str:
@@ -358,11 +368,13 @@ def grade_row(course: Path, number: str, tests: list[dict], env: dict, timeout: 
 
 
 def skip_marks(todos: list[dict], any_started: bool) -> list[str]:
-    """The section marks (tests/conftest.py's names: s3, lab2_s1) whose TODOs are all untouched; "-" stands for
-    the tests of no section while nothing of the stage is started (as in not_started)."""
+    """The section marks (tests/conftest.py's names: s3, lab2_s1) whose TODOs are all untouched, "lab5" for every
+    section of an untouched part 2 notebook; "-" stands for the tests of no section while nothing of the stage is
+    started (as in not_started)."""
     started_ = {tuple(t["section"]) for t in todos if t["started"]}
     sections = {tuple(t["section"]) for t in todos} - started_
-    return [f"s{k}" if nb == 1 else f"lab{nb}_s{k}" for nb, k in sorted(sections)] + ([] if any_started else ["-"])
+    marks = [f"s{k}" if nb == 1 else f"lab{nb}_s{k}" for nb, k in sorted(sections)]
+    return marks + [f"lab{nb}" for nb in sorted(untouched_notebooks(todos))] + ([] if any_started else ["-"])
 
 
 def run_collecting(course: Path, number: str, files: list[str], env: dict, timeout: float, skip: list[str]):

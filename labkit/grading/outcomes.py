@@ -160,8 +160,9 @@ def _deepest_learner_frame(longrepr) -> str:
 
 class Collect:
     """LABKIT_COLLECT=path: each test's ID and the marks the grader reads, written as JSON once the course's
-    conftest has marked them; LABKIT_SKIP_SECTIONS="s2 lab2_s1 -": deselect those sections' tests ("-": the
-    tests of no section), which the grader reports as not started without running them."""
+    conftest has marked them; LABKIT_SKIP_SECTIONS="s2 lab2_s1 lab5 -": deselect those sections' tests ("lab5":
+    every section of lab5.ipynb, "-": the tests of no section), which the grader reports as not started without
+    running them."""
 
     def __init__(self, path: str, skip: set[str]):
         self.path, self.skip = path, skip
@@ -182,7 +183,7 @@ class Collect:
                     "in_process": item.get_closest_marker("in_process") is not None,
                 }
             )
-            if (mark or "-") in self.skip:
+            if (mark or "-") in self.skip or (m and m[1] and f"lab{m[1]}" in self.skip):
                 drop.append(item)
         with open(self.path, "w") as f:
             json.dump(tests, f)

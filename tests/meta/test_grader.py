@@ -694,6 +694,36 @@ def test_a_row_whose_own_todos_are_untouched_is_not_started_though_the_other_par
     assert (first["status"], second["status"], second["total"]) == ("complete", "not started", None), second
 
 
+def test_a_section_without_todos_waits_for_its_notebook(course):
+    """Part 2 with lab2 §1 (mul) written and lab3 §1 (div) untouched: a test of lab3 §2, a section without a TODO
+    of its own (stage 07's disaggregated fleet, lab5 §2, runs on lab5 §1's connector), is not started, not run and
+    counted, though it would pass; once a lab3 TODO is started it runs."""
+    part2 = (
+        '\n\ndef mul(a: int, b: int) -> int:\n    raise NotImplementedError("stage01: mul — see lab2.ipynb §1")\n'
+        '\n\ndef div(a: int, b: int) -> int:\n    raise NotImplementedError("stage01: div — see lab3.ipynb §1")\n'
+    )
+    (course / "stage01_forward_numpy" / "toy.py").write_text(SKELETON + part2)
+    todo.write_manifest(course, ["stage01_forward_numpy"])
+    tests = course / "tests" / "stage01_forward_numpy"
+    (tests / "test_01b_toy.py").write_text(
+        'def test_mul(impl):\n    assert impl("stage01_forward_numpy.toy").mul(2, 3) == 6\n'
+    )
+    (tests / "test_01b_lab3.py").write_text(
+        '"""§2 of lab3.ipynb: given code only."""\n\n\ndef test_given(impl):\n'
+        '    assert impl("stage01_forward_numpy.toy").add(2, 3) == 5\n'
+    )
+    mul = "\n\ndef mul(a, b):\n    return a * b\n"
+    div = '\n\ndef div(a: int, b: int) -> int:\n    raise NotImplementedError("stage01: div — see lab3.ipynb §1")\n'
+    write_learner(course, SOLUTION + mul + div)
+    (row,) = rows(course, ("01b",))
+    given = "tests/stage01_forward_numpy/test_01b_lab3.py::test_given"
+    assert (row["passed"], row["total"], row["not_started"]) == (1, 2, 1), row
+    assert row["failures"] == [{"test": given, "message": "not started"}], row["failures"]
+    write_learner(course, SOLUTION + mul + "\n\ndef div(a, b):\n    return a // b\n")
+    (row,) = rows(course, ("01b",))
+    assert (row["passed"], row["total"], row["not_started"]) == (2, 2, 0), row
+
+
 def test_the_json_report_says_what_was_graded_when_and_how(tmp_path, capsys):
     report = tmp_path / "report.json"
     assert grade.main(["--stage", "01", "--json", str(report)]) == 0

@@ -8,7 +8,6 @@ the `jsonschema` package. Never the solution.
 import json
 import random
 
-import jsonschema
 import pytest
 import torch
 
@@ -261,6 +260,8 @@ def random_match(dfa, rng: random.Random) -> bytes:
 
 def assert_matches_validate(dfa, schema: dict, rng: random.Random, n: int, where: str) -> None:
     """n random strings the DFA accepts all parse as JSON that jsonschema accepts."""
+    import jsonschema  # here, not at the top: its format checkers take a second to import, §1's check needs none
+
     for i in range(n):
         data = random_match(dfa, rng)
         try:
@@ -354,6 +355,8 @@ SCHEMA_CASES = {
 def test_schema_regex_const_escaping_empty_arrays_and_untyped_schemas(impl, case):
     """Literals are escaped (a '.' or '+' in a const or a key is that character), maxItems 0 allows only [],
     no type means any JSON value and an object without properties any object; jsonschema agrees on every text."""
+    import jsonschema
+
     schema, good, bad = SCHEMA_CASES[case]
     for text in good:
         jsonschema.validate(json.loads(text), schema)  # the case itself is right

@@ -4,13 +4,15 @@ import copy
 
 import torch
 
-from labkit.testing import LLAMA_CONFIGS, labkit_from_hf, random_llama
+from labkit.testing import LLAMA_CONFIGS, random_labkit_llama
 
 
 def close_pair(config: str, seed: int, noise: float = 0.01):
     """(target, draft): a random-init target and a copy of it with noise on its last layer, so drafts
-    are often accepted and sometimes not (a random draft would almost never agree with a random target)."""
-    target = labkit_from_hf(random_llama(seed, **{**LLAMA_CONFIGS[config], "eos_token_id": 2}))
+    are often accepted and sometimes not (a random draft would almost never agree with a random target).
+    labkit models, no transformers twin: the references are the target's own greedy decoding and
+    distributions, and importing transformers would cost a section's check two seconds."""
+    target = random_labkit_llama(seed, **{"tie_word_embeddings": False, **LLAMA_CONFIGS[config]})
     draft = copy.deepcopy(target)
     g = torch.Generator().manual_seed(seed)
     last = f"model.layers.{target.config.num_hidden_layers - 1}."

@@ -16,15 +16,14 @@ from labkit.model import from_pretrained
 
 pytestmark = [pytest.mark.dist, pytest.mark.in_process("the test reads the router's state in this process")]
 
-FLEET = "stage07_tensor_parallel.fleet.launch"
 PAGE = 4
 VOCAB = checkpoint.load_tokenizer(labkit.TARGET).get_vocab_size()  # prompts that decode to text
 
 
 @pytest.fixture(scope="module")
-def fleet(impl):
-    with impl(FLEET).Fleet(labkit.TARGET, replicas=2, policy="cache_aware", num_slots=384, page_size=PAGE) as f:
-        yield f
+def fleet(cache_aware_fleet):
+    """conftest's two replicas (page 4), shared with test_07b_fleet."""
+    return cache_aware_fleet
 
 
 @pytest.fixture(scope="module")

@@ -80,25 +80,14 @@ def test_admission_estimates_ttft_and_refuses_past_the_slo(impl, seed):
     assert control.decide([], 1) == (False, float("inf")), "no healthy replica: refuse"
 
 
-def start_fleet(impl):
-    breaker = impl(BREAKER).CircuitBreaker
-    return impl(FLEET).Fleet(
-        labkit.TARGET, replicas=3, policy="round_robin", num_slots=384, page_size=4, dead_after=DEAD_AFTER,
-        breaker=lambda: breaker(failure_threshold=2, cooldown=1.0),
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def fleet(impl):
     """Shared by §4's tests, which kill its replicas one after another."""
-    with start_fleet(impl) as f:
-        yield f
-
-
-@pytest.fixture(scope="module")
-def whole_fleet(impl):
-    """§5's own: handout order runs it after §4 has killed the shared fleet's replicas."""
-    with start_fleet(impl) as f:
+    breaker = impl(BREAKER).CircuitBreaker
+    with impl(FLEET).Fleet(
+        labkit.TARGET, replicas=3, policy="round_robin", num_slots=384, page_size=4, dead_after=DEAD_AFTER,
+        breaker=lambda: breaker(failure_threshold=2, cooldown=1.0),
+    ) as f:  # fmt: skip
         yield f
 
 
@@ -123,10 +112,11 @@ def finished_by_length(fleet) -> int:
 
 
 @pytest.mark.dist
-def test_a_flood_past_the_ttft_slo_gets_429_and_the_rest_completes(whole_fleet, impl):
+def test_a_flood_past_the_ttft_slo_gets_429_and_the_rest_completes(cache_aware_fleet, impl):
     """24 requests at once against an SLO that lets each replica run two: the others get 429 with Retry-After
-    before reaching any replica; the accepted ones complete, and no slot is in use after."""
-    fleet = whole_fleet
+    before reaching any replica; the accepted ones complete, and no slot is in use after. On conftest's
+    two-replica fleet: handout order runs §5 after §4 has killed this file's own fleet's replicas."""
+    fleet = cache_aware_fleet
     router, seed = fleet.router, 7
     rng = random.Random(seed)
     # a 20-token prompt costs 0.4 s and each running request 0.35 s: 1 s admits at most 2 per replica

@@ -1,4 +1,4 @@
-"""§3 of lab3.ipynb: a fleet of two replica processes behind the router, started once for this file.
+"""§3 of lab3.ipynb: a fleet of two replica processes behind the router (conftest.py's, shared with test_07b_clients).
 References: labkit.model's Llama decoding greedily without a cache (the slow obvious version) for the
 outputs, the replicas' own counters for prefill and slots, and the replicas' own snapshots for the KV
 index."""
@@ -20,17 +20,16 @@ from labkit.serving import serving
 
 pytestmark = [pytest.mark.dist, pytest.mark.in_process("the test reads the router's state in this process")]
 
-FLEET = "stage07_tensor_parallel.fleet.launch"
 PAGE = 4
 VOCAB = checkpoint.load_tokenizer(labkit.TARGET).get_vocab_size()  # prompts that decode to text
 MODEL_VOCAB = checkpoint.read_config(labkit.TARGET)["vocab_size"]  # larger than the tokenizer's
 
 
 @pytest.fixture(scope="module")
-def fleet(impl):
-    mod = impl(FLEET)
-    with mod.Fleet(labkit.TARGET, replicas=2, policy="cache_aware", num_slots=384, page_size=PAGE) as f:
-        yield f
+def fleet(cache_aware_fleet):
+    """conftest's two replicas (page 4), shared with test_07b_clients, which runs first (handout order: same
+    section, file name); every test here puts the router's policy back to cache_aware."""
+    return cache_aware_fleet
 
 
 @pytest.fixture(scope="module")
