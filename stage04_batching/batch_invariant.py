@@ -60,10 +60,10 @@ def split_kv_attention(
     A sequence's rows are its n queries' n_rep = n_heads // n_kv_heads heads of each kv head, (n_kv, n * n_rep,
     head_dim), query-major; its keys of all S splits are gathered at once as (n_kv, S, split, head_dim), so that
     one batched product takes every (kv head, split) pair: rows @ (head_dim, split) for the scores, then
-    (rows, split) @ (split, head_dim) for the values. Products of fewer than `min_rows` rows are padded
-    (linear_padded's reason): sequences with n * n_rep <= min_rows (decodes) are batched together at min_rows
-    rows each, padding repeating their last query, and a longer chunk runs alone at n * n_rep rows. Keys past
-    a row's position are masked (-inf). Softmax: each row's max over all its splits at once (a max is exact
+    (rows, split) @ (split, head_dim) for the values. No product has fewer than `min_rows` rows (linear_padded's
+    reason): sequences of `short` = ceil(min_rows / n_rep) queries or fewer (decodes) are batched together, each
+    padded to `short` queries, and the longer chunks together, each padded to the longest of them (padding
+    repeats a chunk's last query). Keys past a row's position are masked (-inf). Softmax: each row's max over all its splits at once (a max is exact
     in any order), then per split the sum of p = exp(s - max) and p @ v, each over exactly `split` keys; the
     splits' sums are added in order, split 0 first. A split that lies past a query (there because another
     sequence is longer) adds exact zeros, so it changes no bit. Scale 1/sqrt(head_dim); GQA head h reads kv
