@@ -105,7 +105,7 @@ def _attend(q, pos, k_pool, v_pool, tables, split):
     v = v_pool.view(-1, D).index_select(0, gather).view(G, n_kv, S, split, D)
     s = (q @ k.mT).view(G, n_kv, S, n, n_rep, split)  # one (rows, split) product per kv head and split
     s = s.masked_fill(keys.view(S, 1, 1, split) > pos[:, None, None, :, None, None], -torch.inf).flatten(3, 4)
-    p = torch.exp(s - s.amax((2, 4), keepdim=True))  # (G, n_kv, S, rows, split)
+    p = torch.exp(s - s.amax((2, 4), keepdim=True))  # one max over all splits: a max is exact in any order
     l, acc = p.sum(-1, keepdim=True), p @ v  # each split's partial sums, over exactly `split` keys
     l_sum, acc_sum = l[:, :, 0], acc[:, :, 0]
     for i in range(1, S):  # in order; a split past a row's position adds zeros
