@@ -410,8 +410,8 @@ MUTANTS = [
         file="batch_invariant.py",
         find="    S = int(pos.max()) // split + 1  # the splits the furthest query reaches into\n",
         replace="    S = -(-int(pos.max()) // split)\n",
-        bug="split_kv_attention counts the splits from the furthest position, not from its key (a query at a "
-        "split's first position misses that split)",
+        bug="split_kv_attention takes ceil(pos / split) splits, one too few when the furthest query sits at a "
+        "split's first key",
     ),
     dict(
         file="batch_invariant.py",
