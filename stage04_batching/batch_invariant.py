@@ -9,9 +9,9 @@ Here every reduction a token's result passes through runs in an order fixed by t
 
 - linear_padded: every matmul has at least `min_rows` rows, so the BLAS runs the one kernel it keeps for
   four rows and more (lab4.ipynb §1 measures the classes), whatever the batch;
-- split_kv_attention: keys are reduced in fixed splits of `split` positions counted from position 0, the
-  splits merged in order (FlashDecoding's split-KV with a fixed split size), each sequence's queries in
-  products of at least `min_rows` rows;
+- split_kv_attention: keys are summed in fixed splits of `split` positions counted from position 0, the
+  splits' partial sums added in order (FlashDecoding's split-KV with a fixed split size), each sequence's
+  queries in products of at least `min_rows` rows;
 - RMSNorm and the softmax of the logprobs already reduce each row on its own on a CPU (lab4.ipynb §1
   measures it), so forward_invariant keeps labkit's.
 
@@ -25,7 +25,7 @@ from labkit.model import Llama, apply_rope
 from .paged_attention import PagedKVCache
 
 MIN_ROWS = 8  # rows of the smallest matmul: lab4 §1 measured one BLAS kernel for every M >= 4 here
-SPLIT = 128  # key positions per attention split
+SPLIT = 64  # key positions per attention split: four blocks of 16
 
 
 def linear_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = MIN_ROWS):
@@ -56,17 +56,18 @@ def split_kv_attention(
     q (N, n_heads, head_dim); k_pool, v_pool (num_blocks, block_size, n_kv_heads, head_dim);
     block_tables (B, max_blocks) int64; context_lens, query_lens (B,) int64 -> (N, n_heads, head_dim).
 
-    Keys are taken in splits of `split` positions, [0, split), [split, 2 split), ..., whatever the batch,
-    gathered contiguous per sequence as (n_kv, split, head_dim). A sequence's rows are its n queries'
-    n_rep = n_heads // n_kv_heads heads of each kv head, (n_kv, n * n_rep, head_dim), query-major, so that
-    for each split one product per kv head multiplies rows @ (head_dim, split), then (rows, split) @
-    (split, head_dim) for the values. Products of fewer than `min_rows` rows are padded (linear_padded's
-    reason): sequences with n * n_rep <= min_rows (decodes) are batched together at min_rows rows each,
-    a longer chunk runs alone at n * n_rep rows. Keys past a row's position are masked (-inf), padding
-    rows sit at position 0. The splits are merged in order with the online softmax (running max m,
-    denominator l, output acc, rescaled by exp(m_old - m_new)); every query sees split 0, and a later
-    split a query sees none of leaves its m, l and acc unchanged bit for bit (p = 0, alpha = 1).
-    Scale 1/sqrt(head_dim); GQA head h reads kv head h // n_rep.
+    Keys are cut into splits of `split` positions, [0, split), [split, 2 split), ..., whatever the batch.
+    A sequence's rows are its n queries' n_rep = n_heads // n_kv_heads heads of each kv head, (n_kv, n * n_rep,
+    head_dim), query-major; its keys of all S splits are gathered at once as (n_kv, S, split, head_dim), so that
+    one batched product takes every (kv head, split) pair: rows @ (head_dim, split) for the scores, then
+    (rows, split) @ (split, head_dim) for the values. No product has fewer than `min_rows` rows (linear_padded's
+    reason): sequences of `short` = ceil(min_rows / n_rep) queries or fewer (decodes) are batched together, each
+    padded to `short` queries, and the longer chunks together, each padded to the longest of them (padding
+    repeats a chunk's last query). Keys past a row's position are masked (-inf). Softmax: each row's max over all its splits at once (a max is exact
+    in any order), then per split the sum of p = exp(s - max) and p @ v, each over exactly `split` keys; the
+    splits' sums are added in order, split 0 first. A split that lies past a query (there because another
+    sequence is longer) adds exact zeros, so it changes no bit. Scale 1/sqrt(head_dim); GQA head h reads kv
+    head h // n_rep.
     """
     raise NotImplementedError("stage04: split_kv_attention — see lab4.ipynb §3")
 

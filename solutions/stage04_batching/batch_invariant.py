@@ -9,9 +9,9 @@ Here every reduction a token's result passes through runs in an order fixed by t
 
 - linear_padded: every matmul has at least `min_rows` rows, so the BLAS runs the one kernel it keeps for
   four rows and more (lab4.ipynb §1 measures the classes), whatever the batch;
-- split_kv_attention: keys are reduced in fixed splits of `split` positions counted from position 0, the
-  splits merged in order (FlashDecoding's split-KV with a fixed split size), each sequence's queries in
-  products of at least `min_rows` rows;
+- split_kv_attention: keys are summed in fixed splits of `split` positions counted from position 0, the
+  splits' partial sums added in order (FlashDecoding's split-KV with a fixed split size), each sequence's
+  queries in products of at least `min_rows` rows;
 - RMSNorm and the softmax of the logprobs already reduce each row on its own on a CPU (lab4.ipynb §1
   measures it), so forward_invariant keeps labkit's.
 
@@ -26,7 +26,7 @@ from labkit.model import Llama, apply_rope
 from .paged_attention import PagedKVCache
 
 MIN_ROWS = 8  # rows of the smallest matmul: lab4 §1 measured one BLAS kernel for every M >= 4 here
-SPLIT = 128  # key positions per attention split
+SPLIT = 64  # key positions per attention split: four blocks of 16
 
 
 def linear_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, min_rows: int = MIN_ROWS):
@@ -60,24 +60,24 @@ def split_kv_attention(
     q (N, n_heads, head_dim); k_pool, v_pool (num_blocks, block_size, n_kv_heads, head_dim);
     block_tables (B, max_blocks) int64; context_lens, query_lens (B,) int64 -> (N, n_heads, head_dim).
 
-    Keys are taken in splits of `split` positions, [0, split), [split, 2 split), ..., whatever the batch,
-    gathered contiguous per sequence as (n_kv, split, head_dim). A sequence's rows are its n queries'
-    n_rep = n_heads // n_kv_heads heads of each kv head, (n_kv, n * n_rep, head_dim), query-major, so that
-    for each split one product per kv head multiplies rows @ (head_dim, split), then (rows, split) @
-    (split, head_dim) for the values. Products of fewer than `min_rows` rows are padded (linear_padded's
-    reason): sequences with n * n_rep <= min_rows (decodes) are batched together at min_rows rows each,
-    a longer chunk runs alone at n * n_rep rows. Keys past a row's position are masked (-inf), padding
-    rows sit at position 0. The splits are merged in order with the online softmax (running max m,
-    denominator l, output acc, rescaled by exp(m_old - m_new)); every query sees split 0, and a later
-    split a query sees none of leaves its m, l and acc unchanged bit for bit (p = 0, alpha = 1).
-    Scale 1/sqrt(head_dim); GQA head h reads kv head h // n_rep.
+    Keys are cut into splits of `split` positions, [0, split), [split, 2 split), ..., whatever the batch.
+    A sequence's rows are its n queries' n_rep = n_heads // n_kv_heads heads of each kv head, (n_kv, n * n_rep,
+    head_dim), query-major; its keys of all S splits are gathered at once as (n_kv, S, split, head_dim), so that
+    one batched product takes every (kv head, split) pair: rows @ (head_dim, split) for the scores, then
+    (rows, split) @ (split, head_dim) for the values. No product has fewer than `min_rows` rows (linear_padded's
+    reason): sequences of `short` = ceil(min_rows / n_rep) queries or fewer (decodes) are batched together, each
+    padded to `short` queries, and the longer chunks together, each padded to the longest of them (padding
+    repeats a chunk's last query). Keys past a row's position are masked (-inf). Softmax: each row's max over all its splits at once (a max is exact
+    in any order), then per split the sum of p = exp(s - max) and p @ v, each over exactly `split` keys; the
+    splits' sums are added in order, split 0 first. A split that lies past a query (there because another
+    sequence is longer) adds exact zeros, so it changes no bit. Scale 1/sqrt(head_dim); GQA head h reads kv
+    head h // n_rep.
     """
     H, D = q.shape[1:]
     first = torch.cumsum(query_lens, 0) - query_lens  # (B,) each sequence's first query
-    short = -(-min_rows // (H // k_pool.shape[2]))  # chunks of up to `short` queries share one padded product
+    short = -(-min_rows // (H // k_pool.shape[2]))  # queries that make min_rows rows
     out = torch.empty_like(q)
-    long = (query_lens > short).nonzero().flatten().tolist()
-    for group in [(query_lens <= short).nonzero().flatten()] + [torch.tensor([b]) for b in long]:
+    for group in ((query_lens <= short).nonzero().flatten(), (query_lens > short).nonzero().flatten()):
         if len(group) == 0:
             continue
         n, lens = max(int(query_lens[group].max()), short), query_lens[group, None]
@@ -93,27 +93,25 @@ def _attend(q, pos, k_pool, v_pool, tables, split):
     """q (G, n, H, D) at positions pos (G, n): G sequences' chunks of n queries -> (G, n, H, D)."""
     G, n, H, D = q.shape
     block_size, n_kv = k_pool.shape[1], k_pool.shape[2]
-    q = q.view(G, n, n_kv, H // n_kv, D).transpose(1, 2).reshape(G, n_kv, n * (H // n_kv), D) * D**-0.5
-    pos = pos.repeat_interleave(H // n_kv, 1)[:, None, :, None]  # (G, 1, rows, 1)
-    k_rows, v_rows = k_pool.view(-1, D), v_pool.view(-1, D)  # one row per (slot, kv head)
-    m = q.new_full((*q.shape[:-1], 1), -torch.inf)
-    l, acc = torch.zeros_like(m), torch.zeros_like(q)
-    for start in range(0, int(pos.max()) + 1, split):
-        keys = start + torch.arange(split)  # (split,) absolute positions
-        block = (keys // block_size).clamp(max=tables.shape[1] - 1)  # keys past every context are masked below
-        slots = tables[:, block] * block_size + keys % block_size  # (G, split)
-        # Rows (slot, kv head) gathered straight into (G, n_kv, split, D), the order the products want
-        gather = (slots[:, None, :] * n_kv + torch.arange(n_kv)[:, None]).flatten()
-        k = k_rows.index_select(0, gather).view(G, n_kv, split, D)
-        v = v_rows.index_select(0, gather).view(G, n_kv, split, D)
-        s = (q @ k.mT).masked_fill(keys > pos, -torch.inf)  # (G, n_kv, rows, split)
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        p = torch.exp(s - m_new)
-        alpha = torch.exp(m - m_new)  # 0 on the first split (m = -inf)
-        l = l * alpha + p.sum(-1, keepdim=True)
-        acc = acc * alpha + p @ v
-        m = m_new
-    return (acc / l).view(G, n_kv, n, H // n_kv, D).transpose(1, 2).reshape(G, n, H, D)
+    n_rep = H // n_kv
+    S = int(pos.max()) // split + 1  # the splits the furthest query reaches into
+    q = q.view(G, n, n_kv, n_rep, D).transpose(1, 2).reshape(G, n_kv, 1, n * n_rep, D) * D**-0.5
+    keys = torch.arange(S * split)  # absolute positions
+    block = (keys // block_size).clamp(max=tables.shape[1] - 1)  # keys past every context are masked below
+    slots = tables[:, block] * block_size + keys % block_size  # (G, S * split)
+    # Rows (slot, kv head) gathered straight into (G, n_kv, S, split, D), the order the products want
+    gather = (slots[:, None, :] * n_kv + torch.arange(n_kv)[:, None]).flatten()
+    k = k_pool.view(-1, D).index_select(0, gather).view(G, n_kv, S, split, D)
+    v = v_pool.view(-1, D).index_select(0, gather).view(G, n_kv, S, split, D)
+    s = (q @ k.mT).view(G, n_kv, S, n, n_rep, split)  # one (rows, split) product per kv head and split
+    s = s.masked_fill(keys.view(S, 1, 1, split) > pos[:, None, None, :, None, None], -torch.inf).flatten(3, 4)
+    p = torch.exp(s - s.amax((2, 4), keepdim=True))  # one max over all splits: a max is exact in any order
+    l, acc = p.sum(-1, keepdim=True), p @ v  # each split's partial sums, over exactly `split` keys
+    l_sum, acc_sum = l[:, :, 0], acc[:, :, 0]
+    for i in range(1, S):  # in order; a split past a row's position adds zeros
+        l_sum = l_sum + l[:, :, i]
+        acc_sum = acc_sum + acc[:, :, i]
+    return (acc_sum / l_sum).view(G, n_kv, n, n_rep, D).transpose(1, 2).reshape(G, n, H, D)
 
 
 @torch.inference_mode()
