@@ -195,12 +195,12 @@ def main(quick: bool = False) -> bench.Result:
     model, tok = from_pretrained(folder).eval(), load_tokenizer(folder)
     which = f"{folder.name} ({model.num_params() / 1e6:.1f}M params)"
     prompts = [tok.encode(chat(q)).ids for q in CHATS]
-    runs, new, repeats = (2, 4, 1) if quick else (16, 8, 3)
+    runs, new, repeats = (2, 4, 1) if quick else (18, 8, 3)  # 18 runs: over 200 requests compared
     det = determinism(model, tok, prompts, runs, new)
     print(bench.table(det, f"A. {runs} runs under random load on {which}, {new} greedy tokens a request"))
     tiny_model, tiny_tok = from_pretrained(TARGET).eval(), load_tokenizer(TARGET)
     tiny_prompts = [tiny_tok.encode(q).ids for q in CHATS]
-    tiny = determinism(tiny_model, tiny_tok, tiny_prompts, 4 if quick else 40, 12)
+    tiny = determinism(tiny_model, tiny_tok, tiny_prompts, 4 if quick else 200, 12)
     print(bench.table(tiny, "A. the same on the tiny target"))
     parts = step_parts(model, tok, prompts, 3 if quick else 7)
     print(bench.table(parts, "C. one decode step and its parts (ms), default vs invariant"))
