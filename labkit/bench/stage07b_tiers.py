@@ -21,6 +21,7 @@ import time
 import torch
 
 from labkit import bench, plot
+from labkit.bench import floors
 from labkit.checkpoint import model_folder
 from labkit.device import pin_threads
 from labkit.distributed import launch
@@ -43,6 +44,9 @@ def transfer(folder, config, lengths: list[int], repeats: int, kv) -> list[dict]
             "send_ms": statistics.median(x["seconds"] for x in s) * 1e3,
             "recv_load_ms": statistics.median(x["seconds"] for x in r) * 1e3,
             "decode_prompt_tokens_computed": r[0]["computed"],
+            # floor: the KV bytes read once and written once at the copy rate (loopback moves them in memory)
+            **floors.row(statistics.median(x["seconds"] for x in s), bytes=2 * s[0]["bytes"], name="send"),
+            **floors.row(statistics.median(x["seconds"] for x in r), bytes=2 * s[0]["bytes"], name="recv_load"),
         })  # fmt: skip
     return rows
 
@@ -95,12 +99,21 @@ def main(quick: bool = False) -> bench.Result:
             if out != reference:
                 raise AssertionError(f"pool {pool}, {variant}: greedy tokens differ from the first engine's")
             s = engine.stats
+            # floor of a TTFT: the mean request's model work, its computed prompt tokens' FLOPs after the rest
+            # came from the pool or a tier, or at least one step's read of the weights and its prompt's K/V
+            prompt, computed = s["prompt_tokens"] / len(requests), s["prefill_tokens_computed"] / len(requests)
+            ttft_floor = floors.row(
+                statistics.median(ttft),
+                bytes=floors.decode_bytes(model, round(prompt)),
+                flops=floors.forward_flops(model, computed, prompt - computed),
+                name="ttft",
+            )
             rows.append({
                 "part": "tiers", "pool_slots": pool, "working_set_tokens": working_set, "variant": variant,
                 "hit_rate": s["cached_tokens"] / s["prompt_tokens"],
                 "tier_loaded_tokens": s["tier_loaded_tokens"],
                 "prefill_tokens_computed": s["prefill_tokens_computed"],
-                "median_ttft_ms": statistics.median(ttft) * 1e3,
+                "median_ttft_ms": statistics.median(ttft) * 1e3, **ttft_floor,
             })  # fmt: skip
     title = (
         f"stage 07b: moving KV, {which}, impl={current()}; (a) P/D over gloo on loopback, median of {transfer_repeats}; "
