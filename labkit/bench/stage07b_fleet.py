@@ -101,8 +101,10 @@ def main(quick: bool = False) -> bench.Result:
     for r in rows:
         r["prefill_vs_round_robin"] = round(r["prefill_tokens"] / rr[r["workload"]], 3)
         # floor of the wall time (not a claim, see the note): the model work the fleet did, every computed
-        # prompt token and every answer token, at this process's GEMM rate (both cores), context ignored
-        r.update(floors.row(r["seconds"], flops=floors.forward_flops(config, r["prefill_tokens"] + n * NEW)))
+        # prompt token and every answer token through the matrices (attention to one key each, a lower bound),
+        # at this process's GEMM rate (both cores)
+        tokens = r["prefill_tokens"] + n * NEW
+        r.update(floors.row(r["seconds"], flops=tokens * floors.forward_flops(config, 1)))
     figures = dict(
         model=folder.name, replicas=REPLICAS, requests_per_workload=n, page_size=PAGE, clients=8,
         system_prompt_tokens=SYSTEM, question_tokens=QUESTION, max_tokens=NEW,

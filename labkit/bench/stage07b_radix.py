@@ -87,22 +87,19 @@ def main(quick: bool = False) -> bench.Result:
         stats, out = timing.last
         if out != reference:
             raise AssertionError(f"{name}: the engine's greedy tokens differ from the engine without a cache")
-        # floors of the model work each figure contains (queueing and Python are above them): a TTFT, the mean
-        # request's computed prompt tokens after its cached ones, or one read of the weights and its prompt's
-        # K/V; the whole run, every computed prompt token and every answer token at the GEMM rate, or the
-        # weights read once per decode step of up to max_num_seqs answers, whichever is slower
-        n, answers = sessions * turns, sessions * turns * answer
-        prompt, computed = stats["prompt_tokens"] / n, stats["prefill_tokens_computed"] / n
+        # floors of the model work each figure contains (queueing and Python are above them): a TTFT, what a
+        # request whose prompt is all cached still does, one step reading the weights and the shortest prompt's
+        # K/V; the whole run, every computed prompt token and answer token through the matrices (attention to
+        # one key each, a lower bound) at the GEMM rate, or the weights read once per decode step of up to
+        # max_num_seqs answers, whichever is slower
+        answers = sessions * turns * answer
         ttft_floor = floors.row(
-            statistics.median(ttfts[name][1:]),
-            bytes=floors.decode_bytes(model, round(prompt)),
-            flops=floors.forward_flops(model, computed, prompt - computed),
-            name="ttft",
+            statistics.median(ttfts[name][1:]), bytes=floors.decode_bytes(model, system + question), name="ttft"
         )
         wall_floor = floors.row(
             timing.median,
             bytes=answers / engine["max_num_seqs"] * floors.weight_bytes(model),
-            flops=floors.forward_flops(model, stats["prefill_tokens_computed"] + answers),
+            flops=(stats["prefill_tokens_computed"] + answers) * floors.forward_flops(model, 1),
             name="wall",
         )
         rows.append({
