@@ -85,7 +85,7 @@ def sweep(
         tokens = C * new
         # floors of each run: the target's FLOPs over every prompt and generated token, or its weights and
         # the batch's caches read once per target step: `new` steps plain, new / (k + 1) at best speculating
-        # (k_max for choose_k); the draft's work is left out, so the floors are the same engines' best case
+        # (k_max for choose_k); the draft's work is left out: each floor is its engine's with a free draft
         context = len(batch[0])
         flops = C * floors.forward_flops(target, context + new)
         step = floors.decode_bytes(target, context, C)
