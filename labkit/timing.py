@@ -90,9 +90,10 @@ def decode_step(model, context: int = 64, tokens: int = 1):
 
 
 def table(rows: list[dict], title: str = "") -> str:
-    """A plain-text table from a list of same-keyed dicts."""
-    cols = list(rows[0])
-    cells = [[f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]) for c in cols] for r in rows]
+    """A plain-text table from a list of dicts: every key any row has, in order of appearance; a row without
+    a key (a predicted row has no floor, say) leaves its cell empty."""
+    cols = list(dict.fromkeys(c for r in rows for c in r))
+    cells = [[f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths, strict=True))  # noqa: E731
     out = [title] if title else []

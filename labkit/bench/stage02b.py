@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit import bench, corpus, plot
+from labkit.bench import floors
 from labkit.device import pin_threads
 from labkit.impl import current, load
 from labkit.model import Config, Llama, init_weights
@@ -86,6 +87,12 @@ def decode_times(contexts, repeats) -> tuple[list[dict], dict]:
             lambda c=latent: step(c, lambda: mla.forward(deepseek, token, c, absorbed=False)), repeats
         )
         t_gqa = bench.measure(lambda c=gqa: step(c, lambda: cached_llama.forward(llama, token, c)), repeats)
+        # floors: a step reads its weights once and its whole cache; both MLA forms read the same latent
+        # cache (the expanded one then multiplies it out per head, work on top of the same bytes)
+        dc = deepseek.config
+        mla_bytes = (
+            floors.weight_bytes(deepseek) + S * dc.num_hidden_layers * (dc.kv_lora_rank + dc.qk_rope_head_dim) * 4
+        )
         rows.append(
             {
                 "context": S,
@@ -94,6 +101,9 @@ def decode_times(contexts, repeats) -> tuple[list[dict], dict]:
                 "gqa_ms": t_gqa.median * 1e3,
                 "expanded_over_absorbed": t_exp.median / t_abs.median,
                 "logits_rel_diff": float((absorbed - expanded).abs().max() / expanded.abs().max()),
+                **floors.row(t_abs.median, bytes=mla_bytes, name="mla_absorbed"),
+                **floors.row(t_exp.median, bytes=mla_bytes, name="mla_expanded"),
+                **floors.row(t_gqa.median, bytes=floors.decode_bytes(llama, S), name="gqa"),
             }
         )
     fp32 = 4

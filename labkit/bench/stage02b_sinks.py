@@ -18,6 +18,7 @@ import os
 import torch
 
 from labkit import bench, plot
+from labkit.bench import floors
 from labkit.checkpoint import load_tokenizer, model_folder, require_real_model
 from labkit.device import pin_threads
 from labkit.impl import current, load
@@ -44,12 +45,20 @@ def streaming_speed(model, ids: torch.Tensor, repeats: int) -> dict:
     by_token, by_layer, speedup = bench.compare(
         per_token, lambda: sinks.forward_streaming(model, ids, fresh()), repeats
     )
+    # floors: one call per token reads every weight once per token (its small cache left out); one call
+    # reads the weights once and is bound by its FLOPs: each token's matrices and attention to one key at
+    # least (a lower bound: a token attends to up to BUDGET keys)
+    T = ids.shape[1]
     return {
-        "tokens": ids.shape[1],
+        "tokens": T,
         "per_token_s": by_token.median,
         "one_call_s": by_layer.median,
         "speedup": speedup,
         "max_logit_difference": same,
+        **floors.row(by_token.median, bytes=T * floors.weight_bytes(model), name="per_token"),
+        **floors.row(
+            by_layer.median, bytes=floors.weight_bytes(model), flops=T * floors.forward_flops(model, 1), name="one_call"
+        ),
     }
 
 

@@ -15,6 +15,7 @@ requests per second that meet both a TTFT and a TPOT target, against the offered
 """
 
 import asyncio
+import functools
 import random
 import statistics
 import time
@@ -22,6 +23,7 @@ import time
 import torch
 
 from labkit import bench, plot
+from labkit.bench import floors
 from labkit.bench.loadtest import percentile
 from labkit.device import pin_threads
 from labkit.impl import load
@@ -55,8 +57,17 @@ def forward_work(fn, *modules) -> dict:
     return work
 
 
-def _served(name, c, fn, n_tokens) -> dict:
-    """Serve the whole workload once with fn() (timed by bench.measure) and summarize it."""
+def workload_floor(model, prompts, max_tokens, batch: int) -> dict:
+    """The floor's arguments for serving a whole workload: every sequence's causal forward (its prompt and
+    its outputs) at the GEMM rate, or the weights read once per decode step, `batch` outputs per step at
+    best, whichever is slower."""
+    flops = sum(floors.forward_flops(model, len(p) + m) for p, m in zip(prompts, max_tokens, strict=True))
+    return {"flops": flops, "bytes": sum(max_tokens) / batch * floors.weight_bytes(model)}
+
+
+def _served(name, c, fn, n_tokens, floor: dict) -> dict:
+    """Serve the whole workload once with fn() (timed by bench.measure) and summarize it; floor: the
+    workload's (workload_floor), against the pass's seconds."""
     t = bench.measure(fn, repeats=1, warmup=0)  # one pass is long; main warms the engine up once
     results = t.last or []
     ttft = [r.first_token_time - r.arrival_time for r in results]
@@ -67,6 +78,7 @@ def _served(name, c, fn, n_tokens) -> dict:
         "tokens_per_s": n_tokens / t.median,
         "ttft_p50_ms": statistics.median(ttft) * 1e3 if ttft else float("nan"),
         "tpot_p50_ms": statistics.median(tpot) * 1e3 if tpot else float("nan"),
+        **floors.row(t.median, **floor, name="workload"),
     }
 
 
@@ -96,17 +108,23 @@ def main(quick: bool = False) -> bench.Result:
     total = sum(max_tokens)
     params = [sequence.SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
     engine_mod.LLMEngine(model, num_blocks=64).generate(prompts[:2], params[:2])  # warm-up
+    floor = functools.partial(workload_floor, model)
 
     rows = []
-    seq_row = _served("sequential", 1, lambda: baselines.sequential(model, prompts, max_tokens), total)
+    seq_row = _served(
+        "sequential", 1, lambda: baselines.sequential(model, prompts, max_tokens), total, floor(prompts, max_tokens, 1)
+    )
     for c in concurrency:
         rows.append({**seq_row, "concurrency": c})
         engine = engine_mod.LLMEngine(model, num_blocks=1024, max_num_seqs=c, max_num_batched_tokens=512)
-        rows.append(_served("continuous batching", c, lambda e=engine: e.generate(prompts, params), total))
+        f = floor(prompts, max_tokens, c)
+        rows.append(_served("continuous batching", c, lambda e=engine: e.generate(prompts, params), total, f))
         rows.append(
-            _served("static batching", c, lambda c=c: baselines.static_batching(model, prompts, max_tokens, c), total)
+            _served(
+                "static batching", c, lambda c=c: baselines.static_batching(model, prompts, max_tokens, c), total, f
+            )
         )
-        rows.append(_served("HF generate (padded)", c, lambda c=c: hf_padded(hf, prompts, max_tokens, c), total))
+        rows.append(_served("HF generate (padded)", c, lambda c=c: hf_padded(hf, prompts, max_tokens, c), total, f))
     print(bench.table(rows, f"Throughput on {which}: {n} requests, {total} output tokens"))
 
     def at(variant, c):
@@ -175,6 +193,11 @@ def prefix_cache_ttft(engine_mod, sequence, model, vocab: int, n: int) -> list[d
     prompts = [system + [rng.randrange(3, vocab) for _ in range(rng.randint(8, 32))] for _ in range(n + 1)]
     params = sequence.SamplingParams(max_tokens=4, ignore_eos=True)
     rows = []
+
+    def prefill_p50(outs) -> tuple[float, float]:
+        cached = statistics.median(o.num_cached_tokens for o in outs)
+        return statistics.median(len(p) for p in prompts[1:]) - cached, cached
+
     for on in (False, True):
         engine = engine_mod.LLMEngine(model, num_blocks=256, enable_prefix_caching=on, max_num_batched_tokens=1024)
         outs = [engine.generate([p], params)[0] for p in prompts]
@@ -184,6 +207,10 @@ def prefix_cache_ttft(engine_mod, sequence, model, vocab: int, n: int) -> list[d
                 "prefix_cache": "on" if on else "off",
                 "ttft_p50_ms": statistics.median(ttft) * 1e3,
                 "cached_tokens_p50": statistics.median(o.num_cached_tokens for o in outs[1:]),
+                # floor: the median request's prefill FLOPs, its uncached tokens after its cached ones
+                **floors.row(
+                    statistics.median(ttft), flops=floors.forward_flops(model, *prefill_p50(outs[1:])), name="ttft"
+                ),
             }
         )
     rows[1]["ttft_speedup"] = rows[0]["ttft_p50_ms"] / rows[1]["ttft_p50_ms"]
@@ -312,10 +339,21 @@ def latency_sweeps(engine_mod, model, quick: bool) -> dict:
     slo_ttft, slo_tpot = 5 * alone["ttft"], 3 * sum(alone["gaps"]) / len(alone["gaps"])
     capacity = n / replay(engine(512), poisson_arrivals(2, n, 0, V, prompt_range, out_range))["seconds"]
 
+    def with_floors(row: dict, arrivals) -> dict:
+        """row + the floors of its p50 TTFT and TPOT: the median prompt's prefill FLOPs; one decode step's
+        read of the weights and the median prompt's K/V (queueing and batching only add to both)."""
+        p50 = statistics.median(len(prompt) for _, prompt, _ in arrivals)
+        return {
+            **row,
+            **floors.row(row["ttft_p50_ms"] / 1e3, flops=floors.forward_flops(model, p50), name="ttft_p50"),
+            **floors.row(row["tpot_p50_ms"] / 1e3, bytes=floors.decode_bytes(model, round(p50)), name="tpot_p50"),
+        }
+
     budgets = [32, 512] if quick else [16, 32, 64, 128, 256, 512]
     arrivals = poisson_arrivals(2, n, 1.5 * capacity, V, prompt_range, out_range)  # prefills land mid-decode
     chunked = [
-        {"max_num_batched_tokens": b, **latency(replay(engine(b), arrivals), slo_ttft, slo_tpot)} for b in budgets
+        with_floors({"max_num_batched_tokens": b, **latency(replay(engine(b), arrivals), slo_ttft, slo_tpot)}, arrivals)
+        for b in budgets
     ]
 
     loads = [0.5, 1.5] if quick else [0.25, 0.5, 0.75, 1.0, 1.5, 2.0]
@@ -324,7 +362,9 @@ def latency_sweeps(engine_mod, model, quick: bool) -> dict:
         for x in loads:
             arrivals = poisson_arrivals(3, n, x * capacity, V, prompt_range, out_range)
             row = latency(replay(engine(budget), arrivals), slo_ttft, slo_tpot)
-            goodput.append({"max_num_batched_tokens": budget, "offered_rps": x * capacity, **row})
+            goodput.append(
+                with_floors({"max_num_batched_tokens": budget, "offered_rps": x * capacity, **row}, arrivals)
+            )
     print(bench.table(chunked, f"Chunked prefill at {1.5 * capacity:.2f} requests/s"))
     slo = f"TTFT <= {slo_ttft * 1e3:.0f} ms, TPOT <= {slo_tpot * 1e3:.0f} ms"
     print(bench.table(goodput, f"Goodput ({slo}); capacity {capacity:.2f} requests/s"))

@@ -17,6 +17,7 @@ import jsonschema
 import torch
 
 from labkit import bench, plot
+from labkit.bench import floors
 from labkit.device import pin_threads
 from labkit.impl import load
 
@@ -59,6 +60,10 @@ def step_costs(model, tok, repeats: int) -> list[dict]:
             repeats=repeats,
             warmup=2,
         )
+        # floors: a step reads the weights once and each request's cache (the prompt's K/V at least); the mask
+        # reads the logits and a bool mask and writes the logits, 9 bytes per (request, token)
+        step_bytes = floors.decode_bytes(model, len(tok.encode(PROMPT).ids), batch)
+        mask_bytes = 9 * batch * model.config.vocab_size
         rows.append(
             {
                 "batch": batch,
@@ -67,6 +72,9 @@ def step_costs(model, tok, repeats: int) -> list[dict]:
                 "mask_ms": round(t["mask"].median * 1e3, 4),
                 "mask_pct_of_step": round(100 * t["mask"].median / t["free"].median, 2),
                 "guided_overhead_pct": round(100 * (t["guided"].median / t["free"].median - 1), 1),
+                **floors.row(t["free"].median, bytes=step_bytes, name="step"),
+                **floors.row(t["guided"].median, bytes=step_bytes + mask_bytes, name="guided_step"),
+                **floors.row(t["mask"].median, bytes=mask_bytes, name="mask"),
             }
         )
     return rows

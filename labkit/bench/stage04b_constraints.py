@@ -23,6 +23,7 @@ import threading
 import time
 
 from labkit import bench, plot
+from labkit.bench import floors
 from labkit.device import pin_threads
 from labkit.impl import load
 
@@ -72,6 +73,10 @@ def vocab_rows(name: str, tok, vocab_size: int, eos: int, tokens: int, eager_sam
         for s in states:
             structured.state_mask(dfa, trie, s, vocab_size, eos)
         eager_s = (time.perf_counter() - start) / len(states) * dfa.num_states
+        # the floor of a cold token: the rows' bytes (a bool mask + a 2-byte next state per token) written
+        # once, shared over the walk (in us: floors.row's ms would round it to 0); a warm token returns a
+        # memoized row by reference, with no bytes to move
+        cold_floor = floors.floor_s(bytes=len(index.rows) * 3 * vocab_size / len(cold))
         rows.append(
             {
                 "vocab": f"{name} ({vocab_size})",
@@ -82,6 +87,8 @@ def vocab_rows(name: str, tok, vocab_size: int, eos: int, tokens: int, eager_sam
                 "tokens": len(cold),
                 "rows_computed": len(index.rows),
                 "cold_us_per_token": round(statistics.mean(cold) * 1e6),
+                "cold_floor_us": round(cold_floor * 1e6, 2),
+                "cold_vs_floor": round(statistics.mean(cold) / cold_floor),
                 "warm_us_per_token": round(statistics.mean(warm) * 1e6, 1),
                 "row_kb": round(3 * vocab_size / 1024, 1),
                 "eager_index_s": round(eager_s, 1),
@@ -141,10 +148,14 @@ def server_figures(model, tok, rounds: int) -> dict:
                 t.join()
             totals.append(max(s for _, s in done))
             assert all(code == 200 for code, _ in done), done
+    # floor of a TTFT: the prompt's prefill FLOPs or one read of the weights, the larger
+    prefill = dict(bytes=floors.weight_bytes(model), flops=floors.forward_flops(model, len(tok.encode(PROMPT).ids)))
     return {
         "rounds": rounds,
         "ttft_idle_s": round(statistics.median(idle), 3),
         "ttft_during_compiles_s": round(statistics.median(busy), 3),
+        **floors.row(statistics.median(idle), **prefill, name="ttft_idle"),
+        **floors.row(statistics.median(busy), **prefill, name="ttft_during_compiles"),
         "ttft_ratio": round(statistics.median(b / i for b, i in zip(busy, idle, strict=True)), 2),
         "health_during_compiles_s": round(statistics.median(health), 3),
         "slowest_constrained_request_s": round(statistics.median(totals), 2),

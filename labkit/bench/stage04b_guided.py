@@ -29,6 +29,7 @@ from concurrent.futures import Future
 import numpy as np
 
 from labkit import bench
+from labkit.bench import floors
 from labkit.device import pin_threads
 from labkit.impl import load
 
@@ -212,23 +213,21 @@ def mask_rows(tok, vocab_size: int, eos: int, repeats: int) -> tuple[list[dict],
             row["course_over_llguidance_median"] = round(
                 row["course_mask_median_ms"] / row["llguidance_mask_median_ms"], 1
             )
+        # The floor: writing the mask at this core's copy rate (labkit.bench.floors), the course's row (3 bytes
+        # per token) for its masks, a bitmask (1 bit per token) for the libraries'; in us (a bitmask's is ~0.3)
+        for name, size in (("course", 3 * vocab_size), ("llguidance", vocab_size / 8), ("xgrammar", vocab_size / 8)):
+            if f"{name}_mask_median_ms" in row:
+                floor = floors.floor_s(bytes=size)
+                row[f"{name}_mask_floor_us"] = round(floor * 1e6, 2)
+                row[f"{name}_mask_median_vs_floor"] = round(row[f"{name}_mask_median_ms"] / 1e3 / floor, 1)
         rows.append(row)
-    # The floor: what writing a mask costs at this core's memory bandwidth (one 256 MiB copy, best of 3).
-    src, dst = np.ones(2**25, np.float64), np.empty(2**25, np.float64)
-    best = min(timed(lambda: np.copyto(dst, src)) for _ in range(3))
-    bandwidth = 2 * src.nbytes / best  # read + write
+    bandwidth = floors.bandwidth()
     once |= {
         "memory_bandwidth_gb_s": round(bandwidth / 1e9, 1),
         "floor_course_row_us": round(3 * vocab_size / bandwidth * 1e6, 1),
         "floor_bitmask_us": round(vocab_size / 8 / bandwidth * 1e6, 2),
     }
     return rows, once
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 class Inline:
@@ -279,6 +278,8 @@ def step_rows(model, tok, rounds: int, tokens: int) -> list[dict]:
                 "guided_masks_before_forward_ms": ms(s),
                 "guided_over_free": round(g / f, 2),
                 "serial_over_free": round(s / f, 2),
+                # floor: the weights and each row's cache (its prompt's K/V at least) read once per step
+                **floors.row(f, bytes=floors.decode_bytes(model, len(tok.encode(PROMPT).ids), batch), name="free_step"),
             }
         )
     return rows

@@ -22,6 +22,8 @@ import torch
 from safetensors.torch import save_file
 
 from labkit import LORA, bench, plot
+from labkit.bench import floors
+from labkit.bench.stage04 import workload_floor
 from labkit.device import pin_threads
 from labkit.impl import load
 
@@ -108,10 +110,22 @@ def main(quick: bool = False) -> bench.Result:
         fns[label, "mixed batch (LoRA slots)"] = serve_mixed
         fns[label, "per-adapter merged, apart"] = serve_apart
     timings = bench.interleaved(fns, repeats=1 if quick else 3)
+
+    def floor(label, variant) -> dict:
+        """The base model's work in the run (adapters' FLOPs and bytes left out): a mixed batch steps all
+        requests together, c at a time; served apart, each adapter's requests make their own steps."""
+        if variant != "per-adapter merged, apart":
+            return workload_floor(base, prompts, max_tokens, c)
+        names = sorted(setups[label])
+        groups = [[i for i in range(n) if names[i % len(names)] == m] for m in names]
+        steps = sum(sum(max_tokens[i] for i in g) / min(len(g), c) for g in groups if g)
+        return {**workload_floor(base, prompts, max_tokens, c), "bytes": steps * floors.weight_bytes(base)}
+
     rows = [
-        {"adapters": label, "variant": variant, "concurrency": c, "tokens_per_s": total / t.median}
+        {"adapters": label, "variant": variant, "concurrency": c, "tokens_per_s": total / t.median,
+         **floors.row(t.median, **floor(label, variant), name="workload")}
         for (label, variant), t in timings.items()
-    ]
+    ]  # fmt: skip
     tps = {(r["adapters"], r["variant"]): r["tokens_per_s"] for r in rows}
     ratios = {
         f"mixed_vs_apart_{label}": tps[label, "mixed batch (LoRA slots)"] / tps[label, "per-adapter merged, apart"]

@@ -13,6 +13,11 @@ from labkit.impl import load
 from labkit.tensor_memory import TensorWatch
 
 MIB = 2**20
+# why the rows carry no "floor ms" (labkit.bench.floors): they count bytes, and no time is taken on a CPU
+FLOOR_NOTE = (
+    "none: the CPU rows are peak bytes of tensors, not times; GPU TFLOP/s rows are timed only on a CUDA GPU "
+    "with TRITON_INTERPRET=0 (under TRITON_INTERPRET=1 a time would measure the interpreter, not a kernel)"
+)
 
 
 def cpu_memory(
@@ -96,4 +101,4 @@ def main(quick: bool = False) -> bench.Result:
     ax.set_ylabel("peak MiB of tensors created")
     ax.set_title("Attention memory on the CPU: naive O(T²) vs tiled O(T)")
     ax.legend()
-    return bench.Result(cpu, {"gpu_tflops": gpu}, fig)
+    return bench.Result(cpu, {"gpu_tflops": gpu, "floor": FLOOR_NOTE}, fig)

@@ -12,7 +12,7 @@ stage05.py, which times the Triton kernel where there is a GPU.
 from labkit import bench, plot
 from labkit.checkpoint import read_config, require_real_model
 
-from .stage05 import cpu_memory
+from .stage05 import FLOOR_NOTE, cpu_memory
 
 
 def main(quick: bool = False) -> bench.Result:
@@ -34,4 +34,8 @@ def main(quick: bool = False) -> bench.Result:
     ax.set_ylabel("peak MiB of tensors created")
     ax.set_title(f"SmolLM2 attention memory on the CPU ({H} q heads, {H_kv} KV heads, D={D})")
     ax.legend()
-    return bench.Result(rows, {"model": require_real_model().name, "heads": H, "kv_heads": H_kv, "head_dim": D}, fig)
+    return bench.Result(
+        rows,
+        {"model": require_real_model().name, "heads": H, "kv_heads": H_kv, "head_dim": D, "floor": FLOOR_NOTE},
+        fig,
+    )

@@ -25,6 +25,7 @@ import statistics
 import torch
 
 from labkit import bench, plot
+from labkit.bench import floors
 from labkit.device import pin_threads
 from labkit.impl import current, load
 from labkit.quality import heldout
@@ -82,6 +83,14 @@ def sweep(
             / (k * costs.draft(C) + costs.target(C, k + 1))
         )
         tokens = C * new
+        # floors of each run: the target's FLOPs over every prompt and generated token, or its weights and
+        # the batch's caches read once per target step: `new` steps plain, new / (k + 1) at best speculating
+        # (k_max for choose_k); the draft's work is left out: each floor is its engine's with a free draft
+        context = len(batch[0])
+        flops = C * floors.forward_flops(target, context + new)
+        step = floors.decode_bytes(target, context, C)
+        target_steps = {"plain": new, "fixed": new / (k + 1), "adaptive": new / (k_max + 1)}
+        floor = {n: floors.row(t[n].median, flops=flops, bytes=step * s, name=n) for n, s in target_steps.items()}
         rows.append({
             "concurrency": C,
             "plain_tok_s": tokens / t["plain"].median,
@@ -97,6 +106,7 @@ def sweep(
             "adaptive_speedup": t["plain"].median / t["adaptive"].median,
             "adaptive_k0": verify.choose_k(alpha, C, costs, k_max),
             "adaptive_drafts_per_token": sum(s.proposed for s in adaptive) / tokens,
+            **floor["plain"], **floor["fixed"], **floor["adaptive"],
         })  # fmt: skip
     return rows
 

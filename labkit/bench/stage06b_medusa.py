@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from labkit import ASSETS, bench, medusa, plot
+from labkit.bench import floors
 from labkit.device import pin_threads
 from labkit.impl import current, load
 from labkit.quality import heldout
@@ -69,8 +70,12 @@ def main(quick: bool = False) -> bench.Result:
     times = bench.interleaved(fns, repeats, warmup=1)
     widths = sorted({1, *(n for _, n in runs.values())})
     step = bench.interleaved({n: bench.decode_step(target, 96, n) for n in widths}, 10 if quick else 30, warmup=3)
+    # every row's floor is plain decoding's, as in stage06b_eagle: one step per token reading the target's
+    # weights and a mean context's cache; a drafter that accepts several tokens per step can go under it
+    floor_bytes = len(prompts) * new * floors.decode_bytes(target, len(prompts[0]) + new // 2)
     rows = [{"drafter": "none (plain greedy)", "tok_per_fwd": 1.0, "verify_tokens": 1, "verify_cost_v": 1.0,
-             "seconds": times["plain"].median, "speedup": 1.0}]  # fmt: skip
+             "seconds": times["plain"].median, "speedup": 1.0,
+             **floors.row(times["plain"].median, bytes=floor_bytes)}]  # fmt: skip
     for name, (_, width) in runs.items():
         s = stats[name]
         rows.append({
@@ -80,6 +85,7 @@ def main(quick: bool = False) -> bench.Result:
             "verify_cost_v": step[width].median / step[1].median,
             "seconds": times[name].median,
             "speedup": times["plain"].median / times[name].median,
+            **floors.row(times[name].median, bytes=floor_bytes),
         })  # fmt: skip
     title = (
         f"stage 06b Medusa: target {which}, heads {heads_folder().name} (K={heads.num_heads}), draft {which_draft}, "

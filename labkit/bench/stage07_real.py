@@ -10,11 +10,15 @@ what a token's collectives cost when timed alone. On a 2-core machine three rank
 cores, so the compute cannot fall below half the unsharded step; the table shows that bound too.
 """
 
+import torch
+
 from labkit import bench, plot
+from labkit.bench import floors
 from labkit.checkpoint import read_config, require_real_model
+from labkit.device import pin_threads
 from labkit.distributed import launch
 from labkit.impl import load
-from labkit.model import Config
+from labkit.model import Config, Llama
 
 from .stage07 import CONTEXT, _decode_worker, collectives_per_token
 
@@ -34,9 +38,16 @@ def main(quick: bool = False) -> bench.Result:
     sent = cost.comm_bytes_per_token(c, TP)
     predicted_comm = n_all_reduce * tp["all_reduce_s"] + tp["all_gather_s"]
     cores = 2
+    # floor of a measured step: the weights + 64 cached tokens' K/V (float32) over the one-thread copy rate,
+    # times the cores the run could use (TP=3's three ranks share 2 cores); the predictions get none
+    with torch.device("meta"):
+        step_bytes = floors.decode_bytes(Llama(c), CONTEXT)
+    with pin_threads(1):  # the one-thread rates
+        tp1_floor, tp_floor = floors.row(base, bytes=step_bytes), floors.row(tp["step_s"], bytes=step_bytes / cores)
     rows = [
-        {"run": "TP=1, 1 thread", "ms/token": base * 1e3, "in collectives (ms)": 0.0},
-        {"run": f"TP={TP}, 1 thread/rank", "ms/token": tp["step_s"] * 1e3, "in collectives (ms)": tp["comm_s"] * 1e3},
+        {"run": "TP=1, 1 thread", "ms/token": base * 1e3, "in collectives (ms)": 0.0, **tp1_floor},
+        {"run": f"TP={TP}, 1 thread/rank", "ms/token": tp["step_s"] * 1e3, "in collectives (ms)": tp["comm_s"] * 1e3,
+         **tp_floor},
         {"run": f"TP={TP} predicted (TP=1/{TP} + collectives)", "ms/token": (base / TP + predicted_comm) * 1e3,
          "in collectives (ms)": predicted_comm * 1e3},
         {"run": f"TP={TP} predicted on {cores} cores (TP=1/{cores} + collectives)",

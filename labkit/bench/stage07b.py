@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from labkit import bench, plot
+from labkit.bench import floors
 from labkit.impl import load
 from labkit.specs import VCPU_DOLLARS_PER_HOUR
 
@@ -132,11 +133,18 @@ def main(quick: bool = False) -> bench.Result:
 
     figures = {
         "model": which,
+        "floor": "rows simulated: no hardware time (knees and costs come from the simulator's clock); the measured "
+        "decode steps' floors are under measured",
         "simulator_check_one_replica_1_req_per_s": versus,  # measured on a real engine vs simulated
         "measured": {
             "step_cost": dataclasses.asdict(cost),
             "steps_timed": len(samples),
             "fit_ratio_p10_p50_p90": [float(np.percentile(ratio, q)) for q in (10, 50, 90)],
+            # the fitted decode step at context 256 against its floor: the weights and B caches read once
+            "decode_step_context_256": {
+                f"B={B}": {"ms": t * 1e3, **floors.row(t, bytes=floors.decode_bytes(model, 256, B))}
+                for B, t in decode.items()
+            },
         },  # fmt: skip
         "simulated": {
             "replicas": REPLICAS,

@@ -25,6 +25,7 @@ import time
 import torch
 
 from labkit import bench, plot
+from labkit.bench import floors
 from labkit.checkpoint import model_folder
 from labkit.device import pin_threads
 from labkit.distributed import launch
@@ -133,8 +134,15 @@ def main(quick: bool = False) -> bench.Result:
     for n in lengths:
         for mode in ("colocated", "disaggregated"):
             rs = [r for r in per_prompt if r["prompt_tokens"] == n and r["mode"] == mode]
+            row = {k: statistics.median(r[k] for r in rs) if isinstance(v, float) else v for k, v in rs[0].items()}
+            # floors: TTFT, the prompt's prefill FLOPs; the transfer, its KV bytes read and written once at the
+            # copy rate (loopback moves them in memory); a later token, one step's read of the weights and K/V
+            row |= floors.row(row["ttft_ms"] / 1e3, flops=floors.forward_flops(model, n), name="ttft")
+            if row["transfer_bytes"]:
+                row |= floors.row(row["transfer_ms"] / 1e3, bytes=2 * row["transfer_bytes"], name="transfer")
             rows.append(
-                {k: statistics.median(r[k] for r in rs) if isinstance(v, float) else v for k, v in rs[0].items()}
+                row
+                | floors.row(row["later_itl_median_ms"] / 1e3, bytes=floors.decode_bytes(model, n), name="later_itl")
             )
     print(bench.table(rows, title=f"measured on this machine, {which}: one request at a time, median of {repeats}"))
 
@@ -193,7 +201,7 @@ def main(quick: bool = False) -> bench.Result:
         at = next(c for c in curves[mode] if c["rate"] == half)
         at_knee = next(c for c in curves[mode] if c["rate"] == full)
         rows.append({
-            "part": "simulated", "mode": mode, **{f"knee ({k}) req/s": knees[(k, mode)] for k in slos},
+            "part": "simulated", "mode": mode, "floor": "simulated: no hardware time", **{f"knee ({k}) req/s": knees[(k, mode)] for k in slos},
             "at req/s": half, "ttft_p50_ms": at["ttft_p50"] * 1e3, "ttft_p99_ms": at["ttft_p99"] * 1e3,
             "second_token_gap_p50_ms": at["second_token_gap_p50"] * 1e3, "itl_p99_ms": at["itl_p99"] * 1e3,
             "at colocated's knee req/s": full, "ttft_p50_ms (knee)": at_knee["ttft_p50"] * 1e3,

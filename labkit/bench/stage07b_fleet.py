@@ -23,7 +23,9 @@ import time
 import httpx
 
 from labkit import bench, checkpoint, plot
+from labkit.bench import floors
 from labkit.impl import load
+from labkit.model import Config
 
 # (label, policy, options); sgl-router's default balance_abs_threshold (64) never trips with 8 clients, so
 # cache-aware also runs with a threshold scaled to this fleet
@@ -95,8 +97,14 @@ def main(quick: bool = False) -> bench.Result:
                 print(row, flush=True)
                 rows.append(row)
     rr = {r["workload"]: r["prefill_tokens"] for r in rows if r["policy"] == "round_robin"}
+    config = Config.from_hf(checkpoint.read_config(folder))
     for r in rows:
         r["prefill_vs_round_robin"] = round(r["prefill_tokens"] / rr[r["workload"]], 3)
+        # floor of the wall time (not a claim, see the note): the model work the fleet did, every computed
+        # prompt token and every answer token through the matrices (attention to one key each, a lower bound),
+        # at this process's GEMM rate (both cores)
+        tokens = r["prefill_tokens"] + n * NEW
+        r.update(floors.row(r["seconds"], flops=tokens * floors.forward_flops(config, 1)))
     figures = dict(
         model=folder.name, replicas=REPLICAS, requests_per_workload=n, page_size=PAGE, clients=8,
         system_prompt_tokens=SYSTEM, question_tokens=QUESTION, max_tokens=NEW,

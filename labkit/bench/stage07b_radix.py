@@ -18,6 +18,7 @@ import statistics
 import time
 
 from labkit import bench, plot
+from labkit.bench import floors
 from labkit.device import pin_threads
 from labkit.impl import current, load
 from labkit.quality import heldout
@@ -86,13 +87,28 @@ def main(quick: bool = False) -> bench.Result:
         stats, out = timing.last
         if out != reference:
             raise AssertionError(f"{name}: the engine's greedy tokens differ from the engine without a cache")
+        # floors of the model work each figure contains (queueing and Python are above them): a TTFT, what a
+        # request whose prompt is all cached still does, one step reading the weights and the shortest prompt's
+        # K/V; the whole run, every computed prompt token and answer token through the matrices (attention to
+        # one key each, a lower bound) at the GEMM rate, or the weights read once per decode step of up to
+        # max_num_seqs answers, whichever is slower
+        answers = sessions * turns * answer
+        ttft_floor = floors.row(
+            statistics.median(ttfts[name][1:]), bytes=floors.decode_bytes(model, system + question), name="ttft"
+        )
+        wall_floor = floors.row(
+            timing.median,
+            bytes=answers / engine["max_num_seqs"] * floors.weight_bytes(model),
+            flops=(stats["prefill_tokens_computed"] + answers) * floors.forward_flops(model, 1),
+            name="wall",
+        )
         rows.append({
             "engine": name,
             "hit_rate": stats["cached_tokens"] / stats["prompt_tokens"],
             "prompt_tokens": stats["prompt_tokens"],
             "prefill_tokens_computed": stats["prefill_tokens_computed"],
             "median_ttft_ms": statistics.median(ttfts[name][1:]) * 1e3,  # the timed runs (the first was warm-up)
-            "wall_s": timing.median,
+            "wall_s": timing.median, **ttft_floor, **wall_floor,
         })  # fmt: skip
     by = {r["engine"]: r for r in rows}
     radix, hashed, none = by["radix, page 1"], by["hash chain, block 16"], by["no cache"]
