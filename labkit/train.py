@@ -265,12 +265,7 @@ def eagle_acceptance(head: eagle.EagleHead, rows, k: int = 4, stride: int = 8) -
                 n += 1
                 f = head(f[None, None], torch.tensor([[token]]), cache)[0, 0]
             accepted, rounds = accepted + n, rounds + 1
-    return {
-        "k": k,
-        "acceptance_per_position": [round(r / max(t, 1), 4) for r, t in zip(right, tried, strict=True)],
-        "accepted_per_verification": round(accepted / max(rounds, 1), 3),
-        "verifications": rounds,
-    }
+    return acceptance_report(right, tried, accepted, rounds)
 
 
 @torch.no_grad()
@@ -422,6 +417,17 @@ def train_smollm2_medusa(steps: int, shards: int, batch: int = 256, seed: int = 
     return report
 
 
+def acceptance_report(right: list[int], tried: list[int], accepted: int, rounds: int) -> dict:
+    """The chain counts eagle_acceptance and medusa_chain_acceptance share: per draft position, how often
+    it matched given that every earlier one did; drafts accepted per verification; verifications."""
+    return {
+        "k": len(tried),
+        "acceptance_per_position": [round(r / max(t, 1), 4) for r, t in zip(right, tried, strict=True)],
+        "accepted_per_verification": round(accepted / max(rounds, 1), 3),
+        "verifications": rounds,
+    }
+
+
 @torch.no_grad()
 def medusa_chain_acceptance(heads: medusa.MedusaHeads, rows, k: int, stride: int = 8) -> dict:
     """eagle_acceptance's count for Medusa's chain of top-1 guesses, at the same positions: where EAGLE reads
@@ -437,12 +443,7 @@ def medusa_chain_acceptance(heads: medusa.MedusaHeads, rows, k: int, stride: int
                 right[j] += 1
                 n += 1
             accepted, rounds = accepted + n, rounds + 1
-    return {
-        "k": k,
-        "acceptance_per_position": [round(r / max(t, 1), 4) for r, t in zip(right, tried, strict=True)],
-        "accepted_per_verification": round(accepted / max(rounds, 1), 3),
-        "verifications": rounds,
-    }
+    return acceptance_report(right, tried, accepted, rounds)
 
 
 # The LoRA adapters: how each rewrites the training stories, the modules it adapts, its rank, and
