@@ -40,6 +40,17 @@ def test_cached_decode_equals_full_forward(name):
     assert cache.length == 21
 
 
+@pytest.mark.parametrize("keep", [1, 5])
+def test_logits_to_keep_equals_the_last_rows(keep):
+    """An engine's prefill asks for the last position's logits only; HF's logits_to_keep is the reference."""
+    hf = random_llama(seed=4, **LLAMA_CONFIGS["gqa2-tied"])
+    model = labkit_from_hf(hf)
+    ids = random_tokens(seed=4, length=11, vocab_size=97, batch=2)
+    with torch.no_grad():
+        got = model(ids, model.new_cache(2, 16), logits_to_keep=keep)
+        torch.testing.assert_close(got, hf(ids, logits_to_keep=keep).logits, atol=1e-5, rtol=0)
+
+
 def test_truncated_cache_continues_like_a_fresh_run():
     model = labkit_from_hf(random_llama(seed=4))
     ids = random_tokens(seed=4, length=15, vocab_size=97, batch=1)
