@@ -48,8 +48,7 @@ SOURCE = r"""
 #include <cmath>
 #include <vector>
 
-constexpr int ROWS = 4;               // rows per pass of the float32 loop's tail (out % 16 rows)
-constexpr int F32_ROWS = 16;          // rows per pass of the float32 loop (16 accumulators: AVX2 has 16 registers)
+constexpr int F32_ROWS = 4;  // rows per pass of the float32 loop, interleaved by pack_f32 (8 measured no faster)
 
 static inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -91,10 +90,10 @@ static inline __m256 dot_u8_i8(__m256i u, __m256i s) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 
-// The shared frame: each of x's B rows quantized once, then the out rows in passes of R over the threads;
-// pass.operator()<R>(r, nb, qx, dx, dsum, y) writes y[0..R) for rows r..r+R of the weights. x's codes and
-// scales go to a buffer kept per calling thread (allocating them per call cost ~2 us each, ~120 calls a step).
-template <int R, typename Pass>
+// The shared frame: each of x's B rows quantized once, then the out rows over the threads; pass(r, nb, qx, dx,
+// dsum) returns row r's dot product with one quantized x. x's codes and scales go to a buffer kept per calling
+// thread (allocating them per call cost ~2 us each, ~120 calls a step).
+template <typename Pass>
 static at::Tensor matvec(const at::Tensor& x, int64_t out, const Pass& pass) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0,
               "x: (B, in) float32, in % 32 == 0");
@@ -108,57 +107,58 @@ static at::Tensor matvec(const at::Tensor& x, int64_t out, const Pass& pass) {
   int8_t* qp = q.data();
   float *dp = d.data(), *yp = y.data_ptr<float>();
   for (int64_t i = 0; i < B; i++) quantize_row(xp + i * n, n, qp + i * n, dp + i * 2 * nb, dp + i * 2 * nb + nb);
-  at::parallel_for(0, (out + R - 1) / R, 64 / R, [&](int64_t g0, int64_t g1) {
-    for (int64_t i = 0; i < B; i++) {
-      const int8_t* qi = qp + i * n;
-      const float* di = dp + i * 2 * nb;
-      for (int64_t r = g0 * R; r < std::min(g1 * R, out); r += R) {
-        if (r + R <= out) pass.template operator()<R>(r, nb, qi, di, di + nb, yp + i * out + r);
-        else for (int64_t t = r; t < out; t++) pass.template operator()<1>(t, nb, qi, di, di + nb, yp + i * out + t);
-      }
-    }
+  at::parallel_for(0, out, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; r++)  // x's other rows find row r in L1
+      for (int64_t i = 0; i < B; i++) yp[i * out + r] = pass(r, nb, qp + i * n, dp + i * 2 * nb, dp + i * 2 * nb + nb);
   });
   return y;
 }
 
+// One row a pass, its blocks in fours on four accumulators: with one, each block's multiply-add waited for
+// the previous block's (the FMA's latency, ~4 cycles), which held a row to ~15 GB/s here
+constexpr int U = 4;
+
 struct Q8_0 {
   const int8_t* w;
   const uint16_t* s;
-  template <int R>
-  void operator()(int64_t r, int64_t nb, const int8_t* qx, const float* dx, const float*, float* y) const {
-    __m256 acc[R];
-    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-      __m256i qb = _mm256_loadu_si256((const __m256i*)(qx + b * 32));
-      for (int i = 0; i < R; i++) {
-        __m256i qw = _mm256_loadu_si256((const __m256i*)(w + ((r + i) * nb + b) * 32));
+  float operator()(int64_t r, int64_t nb, const int8_t* qx, const float* dx, const float*) const {
+    __m256 acc[U];
+    for (int u = 0; u < U; u++) acc[u] = _mm256_setzero_ps();
+    const int8_t* wr = w + r * nb * 32;
+    const uint16_t* sr = s + r * nb;
+    for (int64_t b0 = 0; b0 < nb; b0 += U)
+      for (int u = 0; u < U && b0 + u < nb; u++) {
+        int64_t b = b0 + u;
+        __m256i qb = _mm256_loadu_si256((const __m256i*)(qx + b * 32));
+        __m256i qw = _mm256_loadu_si256((const __m256i*)(wr + b * 32));
         __m256 p = dot_u8_i8(_mm256_sign_epi8(qw, qw), _mm256_sign_epi8(qb, qw));  // |w| * (x with w's sign)
-        acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(s[(r + i) * nb + b]) * dx[b]), p, acc[i]);
+        acc[u] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(sr[b]) * dx[b]), p, acc[u]);
       }
-    }
-    for (int i = 0; i < R; i++) y[i] = hsum(acc[i]);
+    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
   }
 };
 
 struct Q4_1 {
   const uint8_t* w;
   const uint16_t *s, *m;
-  template <int R>
-  void operator()(int64_t r, int64_t nb, const int8_t* qx, const float* dx, const float* dsum, float* y) const {
-    __m256 acc[R];
-    float mins[R];  // sum over blocks of m * (dx * sum(q)): the minimum's share of the dot product
-    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps(), mins[i] = 0.f;
+  float operator()(int64_t r, int64_t nb, const int8_t* qx, const float* dx, const float* dsum) const {
+    __m256 acc[U];
+    float mins[U] = {};  // sums over blocks of m * (dx * sum(q)): the minimum's share of the dot product
+    for (int u = 0; u < U; u++) acc[u] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; b++) {
-      __m256i qb = _mm256_loadu_si256((const __m256i*)(qx + b * 32));
-      for (int i = 0; i < R; i++) {
-        __m128i p = _mm_loadu_si128((const __m128i*)(w + ((r + i) * nb + b) * 16));
+    const uint8_t* wr = w + r * nb * 16;
+    const uint16_t *sr = s + r * nb, *mr = m + r * nb;
+    for (int64_t b0 = 0; b0 < nb; b0 += U)
+      for (int u = 0; u < U && b0 + u < nb; u++) {
+        int64_t b = b0 + u;
+        __m256i qb = _mm256_loadu_si256((const __m256i*)(qx + b * 32));
+        __m128i p = _mm_loadu_si128((const __m128i*)(wr + b * 16));
         __m256i qw = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p), low);
-        acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(s[(r + i) * nb + b]) * dx[b]), dot_u8_i8(qw, qb), acc[i]);
-        mins[i] += _cvtsh_ss(m[(r + i) * nb + b]) * dsum[b];
+        acc[u] = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(sr[b]) * dx[b]), dot_u8_i8(qw, qb), acc[u]);
+        mins[u] += _cvtsh_ss(mr[b]) * dsum[b];
       }
-    }
-    for (int i = 0; i < R; i++) y[i] = hsum(acc[i]) + mins[i];
+    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))) + (mins[0] + mins[1]) +
+           (mins[2] + mins[3]);
   }
 };
 
@@ -166,7 +166,7 @@ at::Tensor q8_0_matvec(const at::Tensor& x, const at::Tensor& codes, const at::T
   TORCH_CHECK(codes.scalar_type() == at::kChar && scales.scalar_type() == at::kHalf && codes.is_contiguous() &&
               scales.is_contiguous() && codes.size(1) == x.size(1), "codes (out, in) int8, scales (out, in / 32) float16");
   // one row per pass: four measured 2.2x slower on SmolLM2's 49,152-row LM head here (4.3 vs 2.0 ms)
-  return matvec<1>(x, codes.size(0), Q8_0{codes.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr())});
+  return matvec(x, codes.size(0), Q8_0{codes.data_ptr<int8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr())});
 }
 
 at::Tensor q4_1_matvec(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins) {
@@ -175,37 +175,37 @@ at::Tensor q4_1_matvec(const at::Tensor& x, const at::Tensor& packed, const at::
               "packed (out, in / 2) uint8, scales and mins (out, in / 32) float16");
   // one row per pass, as Q8_0: four (with the block scales converted up front) measured 1.4x slower on
   // SmolLM2's matrices here (12.5 vs 8.8 ms a step's worth, one thread)
-  return matvec<1>(x, packed.size(0), Q4_1{packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()),
+  return matvec(x, packed.size(0), Q4_1{packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr()),
                                          reinterpret_cast<const uint16_t*>(mins.data_ptr())});
 }
 
-// R float32 rows against every row of x: the rows stream from memory once and stay in L1 for x's other rows
-template <int R>
-static inline void f32_rows(const float* w0, const float* xp, int64_t B, int64_t n, float* y0, int64_t out) {
+// Four float32 rows against every row of x, from pack_f32's layout: the four rows' inputs k..k+8 lie back to
+// back, so a pass reads one sequential stream (sixteen rows a pass in (out, in) order read sixteen streams and
+// reached ~18 GB/s on one core here; this layout on 2 MB pages ~28), and stays in L1 for x's other rows
+static inline void f32_rows(const float* w, const float* xp, int64_t B, int64_t n, float* y0, int64_t out) {
   for (int64_t i = 0; i < B; i++) {
-    __m256 acc[R];
-    for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();
+    __m256 acc[F32_ROWS];
+    for (int j = 0; j < F32_ROWS; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < n; k += 8) {
       __m256 xk = _mm256_loadu_ps(xp + i * n + k);
-      for (int j = 0; j < R; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + j * n + k), xk, acc[j]);
+      for (int j = 0; j < F32_ROWS; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k * F32_ROWS + 8 * j), xk, acc[j]);
     }
-    for (int j = 0; j < R; j++) y0[i * out + j] = hsum(acc[j]);
+    for (int j = 0; j < F32_ROWS; j++) y0[i * out + j] = hsum(acc[j]);
   }
 }
 
 at::Tensor f32_matvec(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && w.is_contiguous() &&
-              w.size(1) == x.size(1) && x.size(1) % 8 == 0 && w.size(0) % ROWS == 0, "x (B, in), w (out, in) float32");
+              w.dim() == 4 && w.size(2) == F32_ROWS && w.size(3) == 8 && w.size(1) * 8 == x.size(1),
+              "x (B, in) float32, w from pack_f32: (out / 4, in / 8, 4, 8) float32");
   auto xc = x.contiguous();
-  int64_t B = x.size(0), n = x.size(1), out = w.size(0);
+  int64_t B = x.size(0), n = x.size(1), out = w.size(0) * F32_ROWS;
   auto y = at::empty({B, out}, x.options());
   const float *wp = w.data_ptr<float>(), *xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // sixteen rows a pass: sixteen streams in flight reach the copy bandwidth where four reached ~75% of it
-  at::parallel_for(0, out / F32_ROWS, 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; g++) f32_rows<F32_ROWS>(wp + F32_ROWS * g * n, xp, B, n, yp + F32_ROWS * g, out);
+  at::parallel_for(0, w.size(0), 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; g++) f32_rows(wp + F32_ROWS * g * n, xp, B, n, yp + F32_ROWS * g, out);
   });
-  for (int64_t r = out / F32_ROWS * F32_ROWS; r < out; r += ROWS) f32_rows<ROWS>(wp + r * n, xp, B, n, yp + r, out);
   return y;
 }
 
@@ -302,10 +302,46 @@ def ops():
     print("labkit.cpu_kernels: loading the AVX2 matrix-vector kernels (the first time, a minute to compile them)")
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
     load_inline("labkit_cpu", SOURCE, extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
-    for name in ("q8_0_matvec", "q4_1_matvec", "f32_matvec"):  # shapes only, for torch.compile's tracing
+    for name in ("q8_0_matvec", "q4_1_matvec"):  # shapes only, for torch.compile's tracing
         torch.library.register_fake(f"labkit_cpu::{name}")(lambda x, w, *rest: x.new_empty(x.shape[0], w.shape[0]))
+    torch.library.register_fake("labkit_cpu::f32_matvec")(lambda x, w: x.new_empty(x.shape[0], w.shape[0] * 4))
     torch.library.register_fake("labkit_cpu::decode_attention")(lambda q, k, v, pos: torch.empty_like(q))
     return torch.ops.labkit_cpu
+
+
+def pack_f32(w: torch.Tensor) -> torch.Tensor:
+    """(out, in) float -> (out / 4, in / 8, 4, 8) float32, f32_matvec's layout: rows in groups of four, each
+    group's eight inputs k..k+8 of its four rows back to back, so the loop over a group reads one stream."""
+    out, inp = w.shape
+    if out % 4 or inp % 8:
+        raise ValueError(f"pack_f32: ({out}, {inp}) (out, in) needs out % 4 == 0 and in % 8 == 0")
+    return w.detach().float().reshape(out // 4, 4, inp // 8, 8).transpose(1, 2).contiguous()
+
+
+def huge_pages(tensors):
+    """The tensors (a list whose items are tensors or tuples of them) copied back to back into one buffer
+    that Linux backs with 2 MB pages (madvise(MADV_HUGEPAGE), where transparent huge pages are "madvise" or
+    "always"): streaming ~540 MB of weights on 4 kB pages misses the TLB every 4 kB, which on this VM cost
+    a third of the bandwidth (a copy: 21 GB/s on 4 kB pages, 31 on 2 MB ones, one core). Elsewhere, or
+    where the call fails, the same copies on ordinary pages."""
+    flat = [t for item in tensors for t in (item if isinstance(item, tuple) else (item,))]
+    sizes = [-(-t.numel() * t.element_size() // 64) * 64 for t in flat]  # each copy 64-byte aligned
+    huge = 2**21
+    length = -(-sum(sizes) // huge) * huge  # whole 2 MB pages, from a 2 MB boundary inside the buffer
+    buf = torch.empty(length + huge, dtype=torch.uint8)
+    start = -buf.data_ptr() % huge
+    if platform.system() == "Linux":
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(buf.data_ptr() + start), ctypes.c_size_t(length), 14)  # 14: MADV_HUGEPAGE
+    copies, offset = [], start
+    for t, size in zip(flat, sizes, strict=True):
+        copy = buf[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+        copies.append(copy.copy_(t))
+        offset += size
+    it = iter(copies)
+    return [tuple(next(it) for _ in item) if isinstance(item, tuple) else next(it) for item in tensors]
 
 
 def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -328,6 +364,15 @@ def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     codes = codes.clamp(0, 15).to(torch.uint8)
     packed = codes[..., :16] | (codes[..., 16:] << 4)  # byte j: input j (low nibble), input j + 16 (high)
     return packed.reshape(out, inp // 2), scales, mins
+
+
+def round_activation(x: torch.Tensor) -> torch.Tensor:
+    """x (..., in) float32 rounded as the Q8_0 and Q4_1 loops round it before their integer products: per block
+    of 32 inputs a scale d = max |x| / 127 and codes round(x / d) (ties to even) -> codes * d."""
+    blocks = x.unflatten(-1, (-1, BLOCK))
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    codes = torch.round(blocks * torch.where(d > 0, 1 / d, 0))
+    return (codes * d).flatten(-2)
 
 
 def dequantize(*weights: torch.Tensor) -> torch.Tensor:

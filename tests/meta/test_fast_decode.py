@@ -138,13 +138,42 @@ def test_cpp_kernels_equal_dequantized_weights():
         gen = torch.Generator().manual_seed(seed)
         w = torch.randn(out, inp, generator=gen) * torch.rand(out, 1, generator=gen)  # rows of different ranges
         x = torch.randn(3, inp, generator=gen) * torch.rand(1, inp, generator=gen)
-        torch.testing.assert_close(ops.f32_matvec(x, w), x @ w.T, atol=1e-5, rtol=1e-5, msg=f"seed={seed} f32")
+        packed = cpu_kernels.huge_pages([cpu_kernels.pack_f32(w)])[0]  # as StaticDecoder stores it
+        torch.testing.assert_close(ops.f32_matvec(x, packed), x @ w.T, atol=1e-5, rtol=1e-5, msg=f"seed={seed} f32")
         for name, quantize in [("q8_0", cpu_kernels.quantize_q8_0), ("q4_1", cpu_kernels.quantize_q4_1)]:
-            q = quantize(w)
+            q = cpu_kernels.huge_pages([quantize(w)])[0]
             w_hat = cpu_kernels.dequantize(*q)
             want, bound = x.double() @ w_hat.double().T, matvec_bound(x, w_hat)
-            err = (getattr(ops, f"{name}_matvec")(x, *q).double() - want).abs()
+            got = getattr(ops, f"{name}_matvec")(x, *q).double()
+            err = (got - want).abs()
             assert (err <= bound).all(), f"seed={seed} ({out}, {inp}) {name}: max excess {(err - bound).max():.3g}"
+            # and what the loop computes exactly: x rounded to int8 blocks (round_activation) times w_hat
+            exact = cpu_kernels.round_activation(x).double() @ w_hat.double().T
+            torch.testing.assert_close(got, exact, atol=1e-4, rtol=1e-5, msg=f"seed={seed} {name}: x's rounding")
+
+
+def test_huge_pages_copies_keep_values_and_structure():
+    """huge_pages moves a decoder's weights into one buffer: every tensor and tuple comes back equal, at a
+    64-byte boundary, and writing one copy touches no other."""
+    gen = torch.Generator().manual_seed(5)
+    items = [torch.randn(7, 5, generator=gen), (torch.randint(-9, 9, (3, 33), dtype=torch.int8), torch.rand(3).half())]
+    copies = cpu_kernels.huge_pages(items)
+    assert isinstance(copies[1], tuple) and len(copies[1]) == 2
+    for want, got in [(items[0], copies[0]), *zip(items[1], copies[1], strict=True)]:
+        assert got.dtype == want.dtype and got.shape == want.shape and got.data_ptr() % 64 == 0
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+    copies[0].fill_(0)
+    torch.testing.assert_close(copies[1][0], items[1][0], atol=0, rtol=0)
+
+
+def test_pack_f32_layout_and_refusal():
+    """pack_f32's layout: group g, chunk k, row j, input i holds w[4 g + j, 8 k + i]."""
+    w = torch.arange(8 * 16, dtype=torch.float32).reshape(8, 16)
+    p = cpu_kernels.pack_f32(w)
+    assert p.shape == (2, 2, 4, 8)
+    assert p[1, 0, 2, 3] == w[6, 3] and p[0, 1, 3, 7] == w[3, 15]
+    with pytest.raises(ValueError, match="out % 4"):
+        cpu_kernels.pack_f32(torch.zeros(6, 16))
 
 
 @pytest.mark.slow
