@@ -9,9 +9,11 @@ $MODEL defaults to the tiny target; `real` is SmolLM2-135M-Instruct. At one thre
   model as GGUF F32, Q8_0 and Q4_1 (the real model ships as Q4_1; llama.cpp requantizes it; the tiny one
   is exported by stage 03's exporter). At one thread also labkit.model eager, the compiled step on
   PyTorch's kernels, and Hugging Face transformers. Each floor is the bytes the step must read (every
-  weight once at its width; the GGUF file's tensors for llama.cpp) over the measured copy bandwidth.
+  weight once at its width; the GGUF file's tensors for llama.cpp) over the measured streaming bandwidth.
 - prefill: PREFILLS-token prompts through labkit.model (float32, PyTorch's GEMMs) beside llama.cpp F32
-  with n_batch = the prompt; the floor is the forward's FLOPs over the measured float32 GEMM rate.
+  with n_batch = the prompt, both computing the last position's logits only (as an engine does; one row
+  also every position's, at the longest prompt); the floor is the forward's FLOPs over the measured
+  float32 GEMM rate.
 
 Every variant is timed round-robin (bench.interleaved) so load drift hits all alike; aten ops per step
 are counted by torch.profiler on a warm step (a first call would count the tracing and compiling too).
@@ -73,7 +75,8 @@ def profile_step(step) -> list[dict]:
                 2 * c.num_key_value_heads * (CONTEXT + 1) * c.head_dim * 4,
             )
         else:
-            (_, n_in), (n_out, _) = e.input_shapes[0], e.input_shapes[1]
+            (_, n_in), w = e.input_shapes[0], e.input_shapes[1]
+            n_out = w[0] * (w[2] if len(w) == 4 else 1)  # float32 comes packed: (out / 4, in / 8, 4, 8)
             kind = "LM head" if n_out == c.vocab_size else f"({n_out}, {n_in}) matrices"
             nbytes = int(n_out * n_in * per_weight[decoder.weights])
         row = rows.setdefault(kind, {"op": kind, "calls": 0, "us": 0.0, "bytes": 0})
@@ -107,13 +110,16 @@ def course_step(model, backend: str | None, weights: str = "fp32", kernels: str 
 
 
 def dequantized(model, weights: str):
-    """A copy of model whose matrices and LM head hold what cpu_kernels' quantized weights compute with."""
+    """A copy of model that computes what cpu_kernels' quantized loops do: its matrices and LM head hold the
+    dequantized weights, and each one's input is rounded to int8 blocks of 32 first (round_activation), as
+    the loops (and llama.cpp) round x before their integer dot products."""
     model = copy.deepcopy(model)
     quantize = {"int8": cpu_kernels.quantize_q8_0, "int4": cpu_kernels.quantize_q4_1}[weights]
     with torch.no_grad():
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())  # unties the embedding
         for linear in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
             linear.weight.copy_(cpu_kernels.dequantize(*quantize(linear.weight)))
+            linear.register_forward_pre_hook(lambda _, args: (cpu_kernels.round_activation(args[0]),))
     return model
 
 
@@ -197,12 +203,14 @@ def llamacpp_prefill(llm, tokens: int):
     return prefill
 
 
-def course_prefill(model, tokens: int):
+def course_prefill(model, tokens: int, logits_to_keep: int = 1):
+    """The prompt through labkit.model into a fresh cache; the LM head over the last position only, as
+    llama.cpp's eval and stage 04's engine do (logits_to_keep=0: over every position)."""
     ids = torch.ones(1, tokens, dtype=torch.long)
 
     def prefill():
         with torch.no_grad():
-            model(ids, model.new_cache(1, tokens))
+            model(ids, model.new_cache(1, tokens), logits_to_keep=logits_to_keep)
 
     return prefill
 
@@ -257,7 +265,7 @@ def main(quick: bool = False) -> bench.Result:
     for w, table in figures["profile_1_thread"].items():
         print(
             bench.table(
-                table, title=f"where the compiled cpp {w} step's time goes, 1 thread (floor: bytes / copy rate)"
+                table, title=f"where the compiled cpp {w} step's time goes, 1 thread (floor: bytes / streaming rate)"
             )
         )
     with tempfile.TemporaryDirectory() as tmp:
@@ -283,6 +291,8 @@ def main(quick: bool = False) -> bench.Result:
                              "vs llama.cpp same precision": round(t.median / cpp.median, 2) if cpp else "",
                              **floors.row(t.median, bytes=steps[name].weight_bytes), "aten ops": ops.get(name, "")})  # fmt: skip
             prefills = {f"labkit.model {n}": course_prefill(model, n) for n in PREFILLS}
+            n = max(PREFILLS)  # the LM head over every position too: what computing unused logits costs
+            prefills[f"labkit.model, every position's logits {n}"] = course_prefill(model, n, logits_to_keep=0)
             if "F32" in files:
                 llm = llamacpp(files["F32"], threads, n_batch=max(PREFILLS))  # n_batch, n_ubatch: the longest prompt
                 prefills.update({f"llama.cpp F32 {n}": llamacpp_prefill(llm, n) for n in PREFILLS})
@@ -292,7 +302,7 @@ def main(quick: bool = False) -> bench.Result:
                 cpp = times.get(f"llama.cpp F32 {n}")
                 rows.append({"what": f"prefill {n}", "threads": threads, "variant": name, "ms": round(t.median * 1e3, 1),
                              "tokens/s": round(n / t.median), "vs llama.cpp same precision": round(t.median / cpp.median, 2) if cpp else "",
-                             **floors.row(t.median, flops=floors.forward_flops(model, n))})  # fmt: skip
+                             **floors.row(t.median, flops=floors.forward_flops(model, n, logits=n if "every" in name else 1))})  # fmt: skip
             figures[f"floors_{threads}_threads"] = floors.figures()
             del llms, steps, prefills
     decode = [r for r in rows if r["what"] == "decode"]  # the two kinds of row have different columns
@@ -322,6 +332,6 @@ def plot_decode(rows: list[dict], which: str):
 
     ax.legend(handles=[Patch(color="C0", label="course (compiled, labkit.cpu_kernels)"),
                        Patch(color="C1", label="llama.cpp (F32 / Q8_0 / Q4_1)"),
-                       Line2D([], [], color="k", linestyle="dashed", label="floor: bytes / copy rate")])  # fmt: skip
+                       Line2D([], [], color="k", linestyle="dashed", label="floor: bytes / streaming rate")])  # fmt: skip
     ax.set(ylabel=f"ms per decode step at context {CONTEXT}", title=f"One decode step: {which}")
     return fig

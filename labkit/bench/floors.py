@@ -14,14 +14,18 @@ row() returns {"floor ms": ..., "vs floor": measured / floor} (with both bytes a
 floor: the step is bound by whichever is slower). figures() is the two measured rates, for the JSON.
 
 Both rates are measured with the threads torch has when first asked (pin_threads first) and cached for
-the process: bandwidth as a copy of COPY_MB between two fresh buffers (bytes read + written per second,
-the figure a streaming kernel can reach), GEMM rate as a GEMM_N-square float32 matmul (2 n^3 FLOPs).
+the process: bandwidth as the faster of a copy of COPY_MB between two fresh buffers (bytes read + written
+per second) and a sum over one (bytes read per second), on 2 MB pages: the rate a streaming kernel can
+reach (on 4 kB pages this VM's copy reached two thirds of it, which labkit.cpu_kernels' read-only loops
+on huge pages beat; JSONs written before 2026-11-28 hold that copy rate),
+GEMM rate as a GEMM_N-square float32 matmul (2 n^3 FLOPs).
 """
 
 import functools
 
 import torch
 
+from ..cpu_kernels import huge_pages
 from ..timing import measure
 
 COPY_MB = 512
@@ -30,16 +34,18 @@ GEMM_N = 1024
 
 @functools.cache
 def _rates(threads: int) -> tuple[float, float]:
-    src = torch.ones(COPY_MB * 2**20 // 4)
-    dst = torch.empty_like(src)
-    bandwidth = 2 * src.numel() * 4 / measure(lambda: dst.copy_(src), repeats=5).median  # the buffers go on return
+    # two buffers, not one: halves of one buffer exactly COPY_MB apart alias in the caches (21 vs 26 GB/s here)
+    (src,), (dst,) = huge_pages([torch.ones(COPY_MB * 2**20 // 4)]), huge_pages([torch.zeros(COPY_MB * 2**20 // 4)])
+    copy = 2 * src.numel() * 4 / measure(lambda: dst.copy_(src), repeats=5).median
+    read = src.numel() * 4 / measure(lambda: src.sum(), repeats=5).median
+    bandwidth = max(copy, read)  # a decode step only reads: here a read streams faster than a copy's read + write
     a, b = torch.randn(GEMM_N, GEMM_N), torch.randn(GEMM_N, GEMM_N)
     flops = 2 * GEMM_N**3 / measure(lambda: a @ b, repeats=5, warmup=2).median
     return bandwidth, flops
 
 
 def bandwidth() -> float:
-    """Bytes per second (read + written) a copy reaches on torch's current thread count."""
+    """Bytes per second a streaming read reaches on torch's current thread count (see the module's docstring)."""
     return _rates(torch.get_num_threads())[0]
 
 
@@ -62,7 +68,7 @@ def row(seconds: float, bytes: float = 0, flops: float = 0, name: str = "") -> d
 
 def figures() -> dict:
     """The measured rates, for a benchmark's JSON figures."""
-    return {"floor_copy_GBps": round(bandwidth() / 1e9, 2), "floor_gemm_GFLOPs": round(gemm_rate() / 1e9, 1),
+    return {"floor_read_GBps": round(bandwidth() / 1e9, 2), "floor_gemm_GFLOPs": round(gemm_rate() / 1e9, 1),
             "floor_threads": torch.get_num_threads()}  # fmt: skip
 
 
@@ -83,14 +89,18 @@ def decode_bytes(model: torch.nn.Module, context: int, batch: int = 1) -> int:
     return weight_bytes(model) + batch * kv_bytes(model, context)
 
 
-def forward_flops(model, tokens: int, context: int = 0) -> float:
+def forward_flops(model, tokens: int, context: int = 0, logits: int | None = None) -> float:
     """FLOPs of a forward over `tokens` new tokens after `context` cached ones (labkit.model.Llama or a
-    transformers Llama config): 2 per weight per token for the matrices (LM head included, embedding
-    lookup free), plus attention's QK^T and PV, 4 * heads * head_dim per (query, key) pair (causal)."""
+    transformers Llama config): 2 per weight per token for the matrices (the LM head over `logits` of the
+    tokens, all by default; an engine's prefill needs only the last; embedding lookup free), plus
+    attention's QK^T and PV, 4 * heads * head_dim per (query, key) pair (causal)."""
     c = getattr(model, "config", model)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     q, kv = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
     per_layer = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
-    matrices = c.num_hidden_layers * per_layer + c.hidden_size * c.vocab_size
+    head = c.hidden_size * c.vocab_size * (tokens if logits is None else logits)
     pairs = tokens * context + tokens * (tokens + 1) / 2  # (query, key) pairs the causal mask keeps
-    return 2 * matrices * tokens + 4 * c.num_attention_heads * head_dim * pairs * c.num_hidden_layers
+    return (
+        2 * (c.num_hidden_layers * per_layer * tokens + head)
+        + 4 * c.num_attention_heads * head_dim * pairs * c.num_hidden_layers
+    )

@@ -11,7 +11,7 @@ after N - 1 cached ones, the cache rewound after each (what a learner's decode s
 
 Floors (labkit.bench.floors, this machine's measured rates): without a cache every step's forward
 FLOPs at the GEMM rate; with it, the prefill's FLOPs plus each step's bytes (weights and cache) at the
-copy bandwidth; the cached step, its bytes.
+streaming bandwidth; the cached step, its bytes.
 """
 
 import torch

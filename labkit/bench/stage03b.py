@@ -138,7 +138,7 @@ def main(quick: bool = False) -> bench.Result:
     for r in rows:
         r["decode tok/s"] = round(1 / seconds[(r["engine"], r["format"])], 1)
         r["vs course fp32"] = round(seconds[("course (PyTorch)", "fp32")] / seconds[(r["engine"], r["format"])], 2)
-        key = (r["engine"], r["format"])  # floor: the weights' bytes and the cache's at the measured copy rate
+        key = (r["engine"], r["format"])  # floor: the weights' bytes and the cache's at the measured streaming rate
         r.update(floors.row(seconds[key], bytes=step_bytes[key] + floors.kv_bytes(fp32, CONTEXT)))
 
     print(

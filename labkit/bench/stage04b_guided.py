@@ -213,7 +213,7 @@ def mask_rows(tok, vocab_size: int, eos: int, repeats: int) -> tuple[list[dict],
             row["course_over_llguidance_median"] = round(
                 row["course_mask_median_ms"] / row["llguidance_mask_median_ms"], 1
             )
-        # The floor: writing the mask at this core's copy rate (labkit.bench.floors), the course's row (3 bytes
+        # The floor: writing the mask at this core's streaming rate (labkit.bench.floors), the course's row (3 bytes
         # per token) for its masks, a bitmask (1 bit per token) for the libraries'; in us (a bitmask's is ~0.3)
         for name, size in (("course", 3 * vocab_size), ("llguidance", vocab_size / 8), ("xgrammar", vocab_size / 8)):
             if f"{name}_mask_median_ms" in row:

@@ -13,7 +13,7 @@ B. Throughput: 16 chats, greedy, 16 output tokens each, at concurrency 1, 4 and 
 C. Where the cost comes from: one decode step at batch 1, 4 and 16 (context ~45 tokens) split into its
    matmuls (F.linear on B rows against linear_padded, and against a fixed 16-row tile, the alternative the
    handout names) and its attention (paged_attention against split_kv_attention), beside the floor of a
-   step (its weight and cache bytes at the measured one-thread copy bandwidth, or its FLOPs at the GEMM
+   step (its weight and cache bytes at the measured one-thread streaming bandwidth, or its FLOPs at the GEMM
    rate, the larger); and the same three matmul variants on a 512-token prefill.
 """
 
@@ -239,7 +239,7 @@ def _plot(rows, det, tiny, parts, which):
     for i, (key, label) in enumerate([("matmuls_default", "matmuls, default"), ("matmuls_padded", "matmuls, padded"),
                                        ("attention_default", "attention, default"), ("attention_split", "attention, split-KV")]):  # fmt: skip
         ax_parts.bar(x + (i - 1.5) * 0.2, [p[f"{key}_ms"] for p in parts], 0.2, label=label)
-    ax_parts.plot(x, [p["floor_ms"] for p in parts], "k--", label="floor: bytes at copy bandwidth")
+    ax_parts.plot(x, [p["floor_ms"] for p in parts], "k--", label="floor: bytes at streaming bandwidth")
     ax_parts.set_xticks(x, [f"decode, batch {p['batch']}" for p in parts])
     ax_parts.set(ylabel="ms", title="one decode step's parts")
     ax_parts.legend(fontsize=8)

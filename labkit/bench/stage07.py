@@ -114,7 +114,7 @@ def main(quick: bool = False) -> bench.Result:
     # The cost model with this machine's numbers: the compute halves, each collective costs alpha.
     predicted_comm = n_collectives * tp2["all_reduce_s"]
     predicted_tp2 = base["step_s"] / 2 + predicted_comm
-    # floor: the step's bytes (weights + cache) over the one-thread copy rate times the cores used (2 unless
+    # floor: the step's bytes (weights + cache) over the one-thread streaming rate times the cores used (2 unless
     # TP=1 on 1 thread), the best two cores could do if each streamed its share at one core's rate
     step_bytes = floors.decode_bytes(full, CONTEXT)
     with pin_threads(1):  # the one-thread rates

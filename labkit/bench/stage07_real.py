@@ -38,7 +38,7 @@ def main(quick: bool = False) -> bench.Result:
     sent = cost.comm_bytes_per_token(c, TP)
     predicted_comm = n_all_reduce * tp["all_reduce_s"] + tp["all_gather_s"]
     cores = 2
-    # floor of a measured step: the weights + 64 cached tokens' K/V (float32) over the one-thread copy rate,
+    # floor of a measured step: the weights + 64 cached tokens' K/V (float32) over the one-thread streaming rate,
     # times the cores the run could use (TP=3's three ranks share 2 cores); the predictions get none
     with torch.device("meta"):
         step_bytes = floors.decode_bytes(Llama(c), CONTEXT)

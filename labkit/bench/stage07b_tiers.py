@@ -44,7 +44,7 @@ def transfer(folder, config, lengths: list[int], repeats: int, kv) -> list[dict]
             "send_ms": statistics.median(x["seconds"] for x in s) * 1e3,
             "recv_load_ms": statistics.median(x["seconds"] for x in r) * 1e3,
             "decode_prompt_tokens_computed": r[0]["computed"],
-            # floor: the KV bytes read once and written once at the copy rate (loopback moves them in memory)
+            # floor: the KV bytes read once and written once at the streaming rate (loopback moves them in memory)
             **floors.row(statistics.median(x["seconds"] for x in s), bytes=2 * s[0]["bytes"], name="send"),
             **floors.row(statistics.median(x["seconds"] for x in r), bytes=2 * s[0]["bytes"], name="recv_load"),
         })  # fmt: skip
