@@ -14,12 +14,15 @@ module writes it, as llama.cpp's CPU backend does (ggml's vec_dot_q8_0_q8_0 and 
   minimum term), so a block's dot product is 32 int8 x int8 products summed in integer registers
   (_mm256_maddubs_epi16 multiplies unsigned by signed bytes: for Q8_0 the sign of w moves onto x), then
   one float multiply-add by d * dx;
-- float32 rows sixteen per pass: each load of x serves them all, and their sixteen sums are independent
-  chains the core overlaps (at four rows a pass the loop read SmolLM2's 538 MB at ~13.6 GB/s on one
-  core, at sixteen ~18 GB/s, the rate of torch's own sum over the same tensors); Q8_0 and Q4_1 one row
-  per pass, their block scales converted as they stream in (four rows a pass measured slower for both:
-  2.2x on the LM head for Q8_0, 1.4x over SmolLM2's matrices for Q4_1 with its scales converted up front);
-- a batch of B inputs reads each float32 pass's rows from memory once: x's other rows find them in L1;
+- float32 rows four per pass, interleaved by pack_f32 so that a pass reads one sequential stream (sixteen
+  rows a pass in (out, in) order, sixteen streams, read SmolLM2's 538 MB at ~18 GB/s on one core here, the
+  rate of torch's own sum; four interleaved on 2 MB pages ~28-33); a batch of B inputs (a verification's
+  k + 1 tokens) meets each pass's rows in L1, two of x's rows at a time;
+- Q8_0 and Q4_1 one row per pass, its blocks on four accumulators (with one, each block's multiply-add
+  waited on the last), their block scales converted as they stream in (four rows a pass measured slower
+  for both: 2.2x on the LM head for Q8_0, 1.4x over SmolLM2's matrices for Q4_1);
+- huge_pages puts a decoder's matrices in one buffer on 2 MB pages: on 4 kB pages a stream misses the TLB
+  every 4 kB, which cost this VM a third of its bandwidth;
 - the passes are split across torch's threads (OpenMP, torch.set_num_threads).
 
 decode_attention is a one-token step's attention over the keys written so far, the rest of a step that
@@ -179,19 +182,24 @@ at::Tensor q4_1_matvec(const at::Tensor& x, const at::Tensor& packed, const at::
                                          reinterpret_cast<const uint16_t*>(mins.data_ptr())});
 }
 
-// Four float32 rows against every row of x, from pack_f32's layout: the four rows' inputs k..k+8 lie back to
+// Four float32 rows against XB rows of x, from pack_f32's layout: the four rows' inputs k..k+8 lie back to
 // back, so a pass reads one sequential stream (sixteen rows a pass in (out, in) order read sixteen streams and
-// reached ~18 GB/s on one core here; this layout on 2 MB pages ~28), and stays in L1 for x's other rows
-static inline void f32_rows(const float* w, const float* xp, int64_t B, int64_t n, float* y0, int64_t out) {
-  for (int64_t i = 0; i < B; i++) {
-    __m256 acc[F32_ROWS];
-    for (int j = 0; j < F32_ROWS; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < n; k += 8) {
-      __m256 xk = _mm256_loadu_ps(xp + i * n + k);
-      for (int j = 0; j < F32_ROWS; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(w + k * F32_ROWS + 8 * j), xk, acc[j]);
+// reached ~18 GB/s on one core here; this layout on 2 MB pages ~28-33)
+template <int XB>
+static inline void f32_rows(const float* w, const float* xp, int64_t n, float* y0, int64_t out) {
+  __m256 acc[XB][F32_ROWS];
+  for (int b = 0; b < XB; b++)
+    for (int j = 0; j < F32_ROWS; j++) acc[b][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < n; k += 8) {
+    __m256 xk[XB];
+    for (int b = 0; b < XB; b++) xk[b] = _mm256_loadu_ps(xp + b * n + k);
+    for (int j = 0; j < F32_ROWS; j++) {
+      __m256 wj = _mm256_loadu_ps(w + k * F32_ROWS + 8 * j);
+      for (int b = 0; b < XB; b++) acc[b][j] = _mm256_fmadd_ps(wj, xk[b], acc[b][j]);
     }
-    for (int j = 0; j < F32_ROWS; j++) y0[i * out + j] = hsum(acc[j]);
   }
+  for (int b = 0; b < XB; b++)
+    for (int j = 0; j < F32_ROWS; j++) y0[b * out + j] = hsum(acc[b][j]);
 }
 
 at::Tensor f32_matvec(const at::Tensor& x, const at::Tensor& w) {
@@ -203,8 +211,16 @@ at::Tensor f32_matvec(const at::Tensor& x, const at::Tensor& w) {
   auto y = at::empty({B, out}, x.options());
   const float *wp = w.data_ptr<float>(), *xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  // a batch (a verification's k + 1 tokens) takes x's rows two at a time, eight independent sums, the group's rows
+  // read once and kept in L1: over 30 of SmolLM2's (3072, 576) matrices, one thread, B = 1 took 6.9 ms, B = 2 6.8
+  // (both bound by the bytes), B = 3 8.4 and B = 5 17 (bound by the multiply-adds from there)
   at::parallel_for(0, w.size(0), 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; g++) f32_rows(wp + F32_ROWS * g * n, xp, B, n, yp + F32_ROWS * g, out);
+    for (int64_t g = g0; g < g1; g++) {
+      const float* wg = wp + F32_ROWS * g * n;
+      int64_t i = 0;
+      for (; i + 2 <= B; i += 2) f32_rows<2>(wg, xp + i * n, n, yp + i * out + F32_ROWS * g, out);
+      if (i < B) f32_rows<1>(wg, xp + i * n, n, yp + i * out + F32_ROWS * g, out);
+    }
   });
   return y;
 }

@@ -35,7 +35,8 @@ multiply, in one fused float32 loop) made SmolLM2's compiled step 1.7x slower th
 
 inductor's loop over int8 codes does not stream (it turns each code into a float), nor does PyTorch's
 packed int4 kernel on every CPU: `kernels="cpp"` replaces every matrix-vector product with
-labkit.cpu_kernels' AVX2 loops over (out, in) rows, float32 or llama.cpp's Q8_0 / Q4_1 blocks of 32,
+labkit.cpu_kernels' AVX2 loops over (out, in) rows (float32 interleaved in fours, or llama.cpp's Q8_0 / Q4_1
+blocks of 32), the matrices in one buffer on 2 MB pages,
 with the activation rounded to int8 blocks once per matrix as llama.cpp does, and the attention with
 one loop over the keys written so far (no mask over the window: inductor's masked softmax cost ~2.7 ms
 of a 13.8 ms int8 step over 30 layers at a 256-slot window); the compiled step calls them from its one
