@@ -179,8 +179,9 @@ def test_pack_f32_layout_and_refusal():
 @pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("c++"), reason="labkit.cpu_kernels compiles C++: no c++ compiler on PATH")
 def test_cpp_decode_attention_equals_sdpa():
-    """decode_attention against PyTorch's SDPA over the keys 0..pos: GQA ratios 1, 3 and 4, a batch, the first
-    slot alone, the last slot, and a cache view (a slice of a longer buffer's heads keeps its row strides)."""
+    """decode_attention against PyTorch's SDPA over the keys 0..pos: GQA ratios 1, 2, 3 and 4, a batch, the first
+    slot alone, the last slot, key counts in eights and not, head_dims of 16 to 128, and a cache view (a slice of
+    a longer buffer's heads keeps its row strides)."""
     ops = cpu_kernels.ops()
     if ops is None:
         pytest.skip("labkit.cpu_kernels needs an x86 CPU with AVX2")
@@ -189,6 +190,8 @@ def test_cpp_decode_attention_equals_sdpa():
         (2, 4, 4, 16, 32, 0),
         (3, 8, 2, 64, 64, 63),
         (2, 6, 2, 24, 16, 23),
+        (1, 2, 1, 40, 72, 20),  # keys in eights and a tail of five; head_dim 64 + 8
+        (1, 4, 2, 320, 128, 299),
     ]:
         seed = B * 1000 + S + pos
         gen = torch.Generator().manual_seed(seed)
