@@ -17,7 +17,7 @@ module writes it, as llama.cpp's CPU backend does (ggml's vec_dot_q8_0_q8_0 and 
 - float32 rows four per pass, interleaved by pack_f32 so that a pass reads one sequential stream (sixteen
   rows a pass in (out, in) order, sixteen streams, read SmolLM2's 538 MB at ~18 GB/s on one core here, the
   rate of torch's own sum; four interleaved on 2 MB pages ~28-33); a batch of B inputs (a verification's
-  k + 1 tokens) meets each pass's rows in L1, two of x's rows at a time;
+  k + 1 tokens) meets each pass's rows in L1, three or two of x's rows at a time;
 - Q8_0 and Q4_1 one row per pass, its blocks on four accumulators (with one, each block's multiply-add
   waited on the last), their block scales converted as they stream in (four rows a pass measured slower
   for both: 2.2x on the LM head for Q8_0, 1.4x over SmolLM2's matrices for Q4_1);
@@ -211,13 +211,15 @@ at::Tensor f32_matvec(const at::Tensor& x, const at::Tensor& w) {
   auto y = at::empty({B, out}, x.options());
   const float *wp = w.data_ptr<float>(), *xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // a batch (a verification's k + 1 tokens) takes x's rows two at a time, eight independent sums, the group's rows
-  // read once and kept in L1: over 30 of SmolLM2's (3072, 576) matrices, one thread, B = 1 took 6.9 ms, B = 2 6.8
-  // (both bound by the bytes), B = 3 8.4 and B = 5 17 (bound by the multiply-adds from there)
+  // a batch (a verification's k + 1 tokens) takes x's rows three or two at a time against a group read once and
+  // kept in L1 (twelve or eight independent sums): over 30 of SmolLM2's (3072, 576) matrices, one thread, B = 1, 2
+  // and 3 took 6.8-6.9 ms (bound by the bytes), then each further pass over L1 costs multiply-adds: B = 4 10.8,
+  // B = 5 15.5 (in pairs only, B = 3 had taken 8.4 and B = 5 17)
   at::parallel_for(0, w.size(0), 16, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; g++) {
       const float* wg = wp + F32_ROWS * g * n;
       int64_t i = 0;
+      for (; i + 3 <= B && B - i != 4; i += 3) f32_rows<3>(wg, xp + i * n, n, yp + i * out + F32_ROWS * g, out);
       for (; i + 2 <= B; i += 2) f32_rows<2>(wg, xp + i * n, n, yp + i * out + F32_ROWS * g, out);
       if (i < B) f32_rows<1>(wg, xp + i * n, n, yp + i * out + F32_ROWS * g, out);
     }

@@ -139,7 +139,11 @@ def test_cpp_kernels_equal_dequantized_weights():
         w = torch.randn(out, inp, generator=gen) * torch.rand(out, 1, generator=gen)  # rows of different ranges
         x = torch.randn(3, inp, generator=gen) * torch.rand(1, inp, generator=gen)
         packed = cpu_kernels.huge_pages([cpu_kernels.pack_f32(w)])[0]  # as StaticDecoder stores it
-        torch.testing.assert_close(ops.f32_matvec(x, packed), x @ w.T, atol=1e-5, rtol=1e-5, msg=f"seed={seed} f32")
+        for rows in (1, 3, 4, 5):  # x's rows go three or two at a time, then one
+            xs = torch.cat([x, x.flip(0)])[:rows]
+            torch.testing.assert_close(
+                ops.f32_matvec(xs, packed), xs @ w.T, atol=1e-5, rtol=1e-5, msg=f"seed={seed} f32 B={rows}"
+            )
         for name, quantize in [("q8_0", cpu_kernels.quantize_q8_0), ("q4_1", cpu_kernels.quantize_q4_1)]:
             q = cpu_kernels.huge_pages([quantize(w)])[0]
             w_hat = cpu_kernels.dequantize(*q)
