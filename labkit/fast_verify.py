@@ -26,18 +26,22 @@ from .model import apply_rope, grouped_attention
 
 
 class StaticVerifier(StaticDecoder):
-    """StaticDecoder's snapshot, for T >= 1 tokens a step: float32 weights, PyTorch's kernels, "eager" or "compile"."""
+    """StaticDecoder's snapshot, for T >= 1 tokens a step: float32 weights, "eager" or "compile", PyTorch's
+    kernels or (kernels="cpp") labkit.cpu_kernels' float32 loop, which reads each weight once for all T rows."""
 
-    def __init__(self, model, cache, backend: str = "compile", window: int = 256):
+    def __init__(self, model, cache, backend: str = "compile", window: int = 256, kernels: str = "torch"):
         if backend not in ("eager", "compile"):
             raise ValueError(f"backend={backend!r}; StaticVerifier runs 'eager' or 'compile'")
-        super().__init__(model, cache, backend, window)
-        with torch.no_grad():  # the snapshot's (L, in, out) stacks become (L, out, in), in place of the old
-            for name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
-                setattr(self, name, getattr(self, name).transpose(1, 2).contiguous())
+        super().__init__(model, cache, backend, window, kernels=kernels)
+        if self.kernels == "torch":
+            with torch.no_grad():  # the snapshot's (L, in, out) stacks become (L, out, in), in place of the old
+                for name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
+                    setattr(self, name, getattr(self, name).transpose(1, 2).contiguous())
 
-    def matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x (B, T, in) times w (out, in) -> (B, T, out), as w @ x^T."""
+    def matmul(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x (B, T, in) times w (out, in) -> (B, T, out): w @ x^T, or the cpp loop over all B * T rows at once."""
+        if self.kernels == "cpp":
+            return super().matmul(x, w)
         return (w @ x.reshape(-1, x.shape[-1]).T).T.reshape(*x.shape[:-1], -1)
 
     def step(self, ids: torch.Tensor, pos: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,9 +5,10 @@
 
 Batch 1, greedy, one thread, held-out chat prompts (labkit.eagle_data: subjects no training prompt
 names). The baseline is plain greedy decoding with the compiled one-token step (labkit.fast_decode.
-StaticDecoder, torch.compile), the fastest plain decode the course has; the eager model's own
-generate is timed beside it. EAGLE's verification runs the same weights compiled for k + 1 tokens
-(labkit.fast_verify.StaticVerifier, on the same cache), so both sides use the compiler; the eager
+StaticDecoder, torch.compile, kernels="cpp": labkit.cpu_kernels' float32 loop where it builds), the
+fastest plain decode the course has; the eager model's own generate is timed beside it. EAGLE's
+verification runs the same weights and kernels compiled for k + 1 tokens (labkit.fast_verify.
+StaticVerifier, on the same cache), so both sides use the compiler and the loop; the eager
 verification is a row of its own. All variants run interleaved in one process, medians of repeats;
 each row's floor is the plain decode's bytes (every weight once per token) at the measured bandwidth.
 
@@ -60,7 +61,7 @@ ENGINE_CONCURRENCY = [1, 2, 4]
 def compiled_greedy(target, max_len: int):
     """prompt, n -> n greedy tokens: the eager prefill, then compiled one-token steps, one cache reused."""
     cache = target.new_cache(1, max_len)
-    decoder = StaticDecoder(target, cache, "compile")
+    decoder = StaticDecoder(target, cache, "compile", kernels="cpp")
 
     def run(prompt: list[int], n: int) -> list[int]:
         cache.truncate(0)
@@ -125,7 +126,7 @@ def main(quick: bool = False) -> bench.Result:
     # for the cost timings
     plain, decoder, cache = compiled_greedy(target, max(128, max(len(p) for p in prompts) + new + K + 1))
     reference = [plain(p, new) for p in prompts]  # also compiles the step before any timing
-    verifier = StaticVerifier(target, cache)
+    verifier = StaticVerifier(target, cache, kernels="cpp")
 
     rounds: dict[str, list[tuple[int, int]]] = {}
     verify = eg.verify

@@ -11,6 +11,7 @@ from torch.profiler import profile
 from labkit import TARGET, checkpoint, cpu_kernels
 from labkit.device import has_gpu
 from labkit.fast_decode import StaticDecoder, int4_matmul, quantize_int4
+from labkit.fast_verify import StaticVerifier
 from labkit.model import Config, Llama, from_pretrained, init_weights
 from labkit.testing import (
     LLAMA_CONFIGS,
@@ -234,6 +235,31 @@ def test_cpp_step_compiled_equals_eager(weights):
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4, msg=f"seed=9: compiled cpp {weights} step")
     if weights == "fp32":
         torch.testing.assert_close(logits[0], logits[2], atol=1e-4, rtol=1e-4, msg="seed=9: cpp fp32 step vs model")
+
+
+@pytest.mark.parametrize("kernels", ["torch", "cpp"])
+def test_verifier_equals_the_model(kernels):
+    """StaticVerifier over T = 3 tokens, twice, after a prompt: the model's logits at those positions and its
+    final normed hidden states (EAGLE reads them), eager, with PyTorch's kernels or the cpp loop (x's rows in a
+    batch of 2 x 3, the loop's three-at-a-time path)."""
+    if kernels == "cpp" and (not shutil.which("c++") or cpu_kernels.ops() is None):
+        pytest.skip("labkit.cpu_kernels needs a C++ compiler and an x86 CPU with AVX2")
+    config = {**LLAMA_CONFIGS["gqa4-3layers"], "intermediate_size": 128, "vocab_size": 112}
+    model = labkit_from_hf(random_llama(seed=11, **config))
+    ids = random_tokens(11, 11, model.config.vocab_size, 2)
+    want_cache, got_cache = model.new_cache(2, 16), model.new_cache(2, 16)
+    seen = {}
+    model.model.norm.register_forward_hook(lambda m, args, out: seen.update(feats=out))
+    with torch.no_grad():
+        model(ids[:, :5], want_cache)
+        model(ids[:, :5], got_cache)
+        verify = StaticVerifier(model, got_cache, "eager", window=8, kernels=kernels)
+        for t in (5, 8):
+            want = model(ids[:, t : t + 3], want_cache)
+            feats, logits = verify(ids[:, t : t + 3])
+            torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4, msg=f"seed=11 {kernels}: logits at {t}")
+            torch.testing.assert_close(feats, seen["feats"], atol=1e-5, rtol=1e-5, msg=f"seed=11 {kernels}: features")
+    assert got_cache.length == want_cache.length == 11
 
 
 @pytest.mark.gpu
