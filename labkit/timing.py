@@ -37,10 +37,13 @@ def gc_paused():
             gc.enable()
 
 
-def interleaved(fns: dict, repeats: int = 5, warmup: int = 1, before=None) -> dict[str, Timing]:
+def interleaved(fns: dict, repeats: int = 5, warmup: int = 1, before=None, settle: int = 0) -> dict[str, Timing]:
     """Time several variants in one run, each called in turn so load drift hits all alike: every
     fn `warmup` times untimed, then `repeats` rounds. before(), if given, runs untimed before every
-    call (a barrier, say). Returns {name: Timing} in seconds per call."""
+    call (a barrier, say); with settle, each timed call follows that many untimed calls of the same fn,
+    so it is timed back to back with itself, as a decode loop runs (a thread pool the other variants
+    left asleep, or caches they filled, would otherwise count against it). Returns {name: Timing} in
+    seconds per call."""
     for _ in range(warmup):
         for fn in fns.values():
             if before:
@@ -53,6 +56,8 @@ def interleaved(fns: dict, repeats: int = 5, warmup: int = 1, before=None) -> di
             for name, fn in fns.items():
                 if before:
                     before()
+                for _ in range(settle):
+                    fn()
                 t0 = time.perf_counter()
                 last[name] = fn()
                 times[name].append(time.perf_counter() - t0)

@@ -15,7 +15,9 @@ $MODEL defaults to the tiny target; `real` is SmolLM2-135M-Instruct. At one thre
   also every position's, at the longest prompt); the floor is the forward's FLOPs over the measured
   float32 GEMM rate.
 
-Every variant is timed round-robin (bench.interleaved) so load drift hits all alike; aten ops per step
+Every variant is timed round-robin (bench.interleaved) so load drift hits all alike, each decode step
+right after an untimed one of its own (a decode loop's steps run back to back); the floors are measured
+at each thread count before llama.cpp's threads exist; aten ops per step
 are counted by torch.profiler on a warm step (a first call would count the tracing and compiling too).
 Greedy tokens over GREEDY_TOKENS of a chat prompt: each fast path against the eager model on the same
 (dequantized) weights, accepted up to a difference within the paths' measured logit error.
@@ -272,6 +274,7 @@ def main(quick: bool = False) -> bench.Result:
         files = gguf_files(folder, Path(tmp))
         for threads in THREADS:
             pin_threads(threads)  # llama.cpp gets the same count: the comparison is per core
+            figures[f"floors_{threads}_threads"] = floors.figures()  # measured before any llama.cpp thread exists
             steps = {f"StaticDecoder, compiled, cpp {w}": s for w, s in course.items()}
             if threads == 1:
                 steps["labkit.model, eager"] = course_step(model, None)
@@ -283,7 +286,9 @@ def main(quick: bool = False) -> bench.Result:
             llms = {mix: llamacpp(path, threads) for mix, path in files.items()}
             steps.update({f"llama.cpp {mix}": llamacpp_step(llm, files[mix]) for mix, llm in llms.items()})
             ops = {n: aten_ops(s) for n, s in steps.items() if not n.startswith("llama.cpp")}
-            times = bench.interleaved(steps, repeats=30 if quick else 200, warmup=5)
+            # each step timed right after an untimed one of its own: interleaved cold, torch's two OpenMP threads
+            # woke from sleep after llama.cpp's turns (11.8 ms for the fp32 step alone, 18.0 in the round-robin)
+            times = bench.interleaved(steps, repeats=30 if quick else 100, warmup=5, settle=1)
             for name, t in times.items():
                 mix = LLAMACPP.get(name.rsplit(" ", 1)[-1], "F32")
                 cpp = times.get(f"llama.cpp {mix}")
@@ -303,7 +308,6 @@ def main(quick: bool = False) -> bench.Result:
                 rows.append({"what": f"prefill {n}", "threads": threads, "variant": name, "ms": round(t.median * 1e3, 1),
                              "tokens/s": round(n / t.median), "vs llama.cpp same precision": round(t.median / cpp.median, 2) if cpp else "",
                              **floors.row(t.median, flops=floors.forward_flops(model, n, logits=n if "every" in name else 1))})  # fmt: skip
-            figures[f"floors_{threads}_threads"] = floors.figures()
             del llms, steps, prefills
     decode = [r for r in rows if r["what"] == "decode"]  # the two kinds of row have different columns
     print(bench.table(decode, title=f"decode at context {CONTEXT}, {which}, median; vs: ratio of times"))
