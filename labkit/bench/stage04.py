@@ -228,15 +228,18 @@ def server_vs_naive(engine_mod, sequence, model, concurrency: list[int], n: int)
     tok = bench.tokenizer()
     bodies = workload(0, n, (16, 64))
     rows = []
+    prompts, new = [tok.encode(b["prompt"]).ids for b in bodies], [b["max_tokens"] for b in bodies]
     for name, seqs in (("naive (one at a time)", 1), ("continuous batching", 32)):
         engine = engine_mod.LLMEngine(model, tok, num_blocks=1024, max_num_seqs=seqs)
         with serving(server.create_app(engine, tok, max_waiting=1024)) as url:
             for c in concurrency:
                 r = asyncio.run(run(url, bodies, c))
+                seconds = sum(new) / r["tokens_per_s"]  # ignore_eos: every request makes its max_tokens
                 rows.append(
                     {
                         "server": name,
                         **{k: r[k] for k in ("concurrency", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "failed")},
+                        **floors.row(seconds, **workload_floor(model, prompts, new, min(c, seqs)), name="workload"),
                     }
                 )
     engine = engine_mod.LLMEngine(model, tok, num_blocks=1024, max_num_seqs=16)

@@ -27,6 +27,7 @@ from labkit.device import pin_threads
 from labkit.impl import load
 from labkit.model import from_pretrained
 
+from .stage04 import workload_floor
 from .stage04b import step_costs
 
 QUESTIONS = [
@@ -83,7 +84,9 @@ def throughput(model, tok, new: int, repeats: int) -> tuple[list[dict], dict]:
             raise AssertionError(f"{name}: the tokens differ from one-after-another greedy decoding")
     total = new * len(prompts)
     base = times["one after another"].median
-    rows = [{"variant": name, "seconds": t.median, "tokens_per_s": total / t.median, "speedup": base / t.median}
+    batch = {"one after another": 1, "engine, 1 at a time": 1, "engine, 4 concurrent": 4, "engine, 8 concurrent": 8}
+    rows = [{"variant": name, "seconds": t.median, "tokens_per_s": total / t.median, "speedup": base / t.median,
+             **floors.row(t.median, **workload_floor(model, prompts, [new] * len(prompts), batch[name]))}
             for name, t in times.items()]  # fmt: skip
     figures = {"chats": len(prompts), "new_tokens": new, "prompt_tokens": [len(p) for p in prompts]}
     return rows, figures
