@@ -59,9 +59,9 @@ def forward_work(fn, *modules) -> dict:
 
 def workload_floor(model, prompts, max_tokens, batch: int) -> dict:
     """The floor's arguments for serving a whole workload: every sequence's causal forward (its prompt and
-    its outputs) at the GEMM rate, or the weights read once per decode step, `batch` outputs per step at
-    best, whichever is slower."""
-    flops = sum(floors.forward_flops(model, len(p) + m) for p, m in zip(prompts, max_tokens, strict=True))
+    its outputs; the LM head only where a token is sampled, as an engine computes it) at the GEMM rate, or
+    the weights read once per decode step, `batch` outputs per step at best, whichever is slower."""
+    flops = sum(floors.forward_flops(model, len(p) + m, logits=m) for p, m in zip(prompts, max_tokens, strict=True))
     return {"flops": flops, "bytes": sum(max_tokens) / batch * floors.weight_bytes(model)}
 
 
@@ -209,7 +209,9 @@ def prefix_cache_ttft(engine_mod, sequence, model, vocab: int, n: int) -> list[d
                 "cached_tokens_p50": statistics.median(o.num_cached_tokens for o in outs[1:]),
                 # floor: the median request's prefill FLOPs, its uncached tokens after its cached ones
                 **floors.row(
-                    statistics.median(ttft), flops=floors.forward_flops(model, *prefill_p50(outs[1:])), name="ttft"
+                    statistics.median(ttft),
+                    flops=floors.forward_flops(model, *prefill_p50(outs[1:]), logits=1),
+                    name="ttft",
                 ),
             }
         )
@@ -348,7 +350,7 @@ def latency_sweeps(engine_mod, model, quick: bool) -> dict:
         p50 = statistics.median(len(prompt) for _, prompt, _ in arrivals)
         return {
             **row,
-            **floors.row(row["ttft_p50_ms"] / 1e3, flops=floors.forward_flops(model, p50), name="ttft_p50"),
+            **floors.row(row["ttft_p50_ms"] / 1e3, flops=floors.forward_flops(model, p50, logits=1), name="ttft_p50"),
             **floors.row(row["tpot_p50_ms"] / 1e3, bytes=floors.decode_bytes(model, round(p50)), name="tpot_p50"),
         }
 

@@ -112,7 +112,9 @@ def prefix_ttft(model, tok, n: int) -> list[dict]:
         r["prompt_tokens_p50"] = statistics.median(len(p) for p in prompts[1:])
         # floor: the FLOPs of the prompt's uncached tokens (after the cached prefix) at the GEMM rate
         n, cached = int(r["prompt_tokens_p50"]), int(r["cached_tokens_p50"])
-        r |= floors.row(r["ttft_p50_ms"] / 1e3, flops=floors.forward_flops(model, n - cached, cached), name="ttft")
+        r |= floors.row(
+            r["ttft_p50_ms"] / 1e3, flops=floors.forward_flops(model, n - cached, cached, logits=1), name="ttft"
+        )
     return rows
 
 

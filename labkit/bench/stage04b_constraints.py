@@ -149,7 +149,9 @@ def server_figures(model, tok, rounds: int) -> dict:
             totals.append(max(s for _, s in done))
             assert all(code == 200 for code, _ in done), done
     # floor of a TTFT: the prompt's prefill FLOPs or one read of the weights, the larger
-    prefill = dict(bytes=floors.weight_bytes(model), flops=floors.forward_flops(model, len(tok.encode(PROMPT).ids)))
+    prefill = dict(
+        bytes=floors.weight_bytes(model), flops=floors.forward_flops(model, len(tok.encode(PROMPT).ids), logits=1)
+    )
     return {
         "rounds": rounds,
         "ttft_idle_s": round(statistics.median(idle), 3),

@@ -29,6 +29,7 @@ from labkit.impl import load
 from labkit.model import from_pretrained
 
 from . import floors
+from .stage04 import workload_floor
 from .stage04_real import QUESTIONS, chat
 
 MORE = [
@@ -121,10 +122,12 @@ def throughput(model, tok, prompts, new: int, repeats: int) -> list[dict]:
     rows = []
     for c in (1, 4, 16):
         base, inv = times[(c, False)], times[(c, True)]
-        tokens = max(c, 4) * new
-        rows.append({"concurrency": c, "default_tok_s": tokens / base.median, "invariant_tok_s": tokens / inv.median,
-                     "invariant_vs_default": base.median / inv.median,
-                     "same_tokens": base.last == inv.last})  # fmt: skip
+        n = max(c, 4)
+        floor = workload_floor(model, prompts[:n], [new] * n, c)  # the same work for both modes
+        rows.append({"concurrency": c, "default_tok_s": n * new / base.median, "invariant_tok_s": n * new / inv.median,
+                     "invariant_vs_default": base.median / inv.median, "same_tokens": base.last == inv.last,
+                     **floors.row(base.median, **floor, name="default"),
+                     **floors.row(inv.median, **floor, name="invariant")})  # fmt: skip
     return rows
 
 

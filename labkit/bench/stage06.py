@@ -100,8 +100,8 @@ def main(quick: bool = False) -> bench.Result:
                 check(hf_generate(hf_target, p, new, hf_draft, k), ref, "HF assisted", k)
 
         warmup = 0 if rows else 1
-        # floor of plain decoding: each prompt's prefill FLOPs, then each token's bytes (weights + cache)
-        plain_floor = sum(floors.floor_s(flops=floors.forward_flops(target, len(p)))
+        # floor of plain decoding: each prompt's prefill FLOPs (the LM head at its last position), then each token's bytes (weights + cache)
+        plain_floor = sum(floors.floor_s(flops=floors.forward_flops(target, len(p), logits=1))
                           + sum(floors.floor_s(bytes=floors.decode_bytes(target, len(p) + i)) for i in range(new))
                           for p in prompts)  # fmt: skip
         base, cand, ratio = bench.compare(

@@ -90,8 +90,8 @@ def main(quick: bool = False) -> bench.Result:
         return fn
 
     times = bench.interleaved({name: checked(name, d) for name, d in decoders.items()}, repeats, warmup=0)
-    # plain decoding's floor: each prompt's prefill FLOPs, then each token's weight and cache bytes
-    plain_floor = sum(floors.floor_s(flops=floors.forward_flops(target, len(p)))
+    # plain decoding's floor: each prompt's prefill FLOPs (the LM head at its last position), then each token's weight and cache bytes
+    plain_floor = sum(floors.floor_s(flops=floors.forward_flops(target, len(p), logits=1))
                       + sum(floors.floor_s(bytes=floors.decode_bytes(target, len(p) + i)) for i in range(new))
                       for p in prompts)  # fmt: skip
     rows = []

@@ -87,7 +87,7 @@ def sweep(
         # the batch's caches read once per target step: `new` steps plain, new / (k + 1) at best speculating
         # (k_max for choose_k); the draft's work is left out: each floor is its engine's with a free draft
         context = len(batch[0])
-        flops = C * floors.forward_flops(target, context + new)
+        flops = C * floors.forward_flops(target, context + new, logits=new)  # logits where tokens are sampled
         step = floors.decode_bytes(target, context, C)
         target_steps = {"plain": new, "fixed": new / (k + 1), "adaptive": new / (k_max + 1)}
         floor = {n: floors.row(t[n].median, flops=flops, bytes=step * s, name=n) for n, s in target_steps.items()}

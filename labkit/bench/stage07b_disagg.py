@@ -137,7 +137,7 @@ def main(quick: bool = False) -> bench.Result:
             row = {k: statistics.median(r[k] for r in rs) if isinstance(v, float) else v for k, v in rs[0].items()}
             # floors: TTFT, the prompt's prefill FLOPs; the transfer, its KV bytes read and written once at the
             # streaming rate (loopback moves them in memory); a later token, one step's read of the weights and K/V
-            row |= floors.row(row["ttft_ms"] / 1e3, flops=floors.forward_flops(model, n), name="ttft")
+            row |= floors.row(row["ttft_ms"] / 1e3, flops=floors.forward_flops(model, n, logits=1), name="ttft")
             if row["transfer_bytes"]:
                 row |= floors.row(row["transfer_ms"] / 1e3, bytes=2 * row["transfer_bytes"], name="transfer")
             rows.append(
