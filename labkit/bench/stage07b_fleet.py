@@ -103,8 +103,11 @@ def main(quick: bool = False) -> bench.Result:
         # floor of the wall time (not a claim, see the note): the model work the fleet did, every computed
         # prompt token and every answer token through the matrices (attention to one key each, a lower bound),
         # at this process's GEMM rate (both cores)
-        tokens = r["prefill_tokens"] + n * NEW
-        r.update(floors.row(r["seconds"], flops=tokens * floors.forward_flops(config, 1)))
+        # (the LM head only where a token is sampled)
+        flops = r["prefill_tokens"] * floors.forward_flops(config, 1, logits=0) + n * NEW * floors.forward_flops(
+            config, 1
+        )
+        r.update(floors.row(r["seconds"], flops=flops))
     figures = dict(
         model=folder.name, replicas=REPLICAS, requests_per_workload=n, page_size=PAGE, clients=8,
         system_prompt_tokens=SYSTEM, question_tokens=QUESTION, max_tokens=NEW,

@@ -99,7 +99,8 @@ def main(quick: bool = False) -> bench.Result:
         wall_floor = floors.row(
             timing.median,
             bytes=answers / engine["max_num_seqs"] * floors.weight_bytes(model),
-            flops=(stats["prefill_tokens_computed"] + answers) * floors.forward_flops(model, 1),
+            flops=stats["prefill_tokens_computed"] * floors.forward_flops(model, 1, logits=0)
+            + answers * floors.forward_flops(model, 1),  # the LM head only where a token is sampled
             name="wall",
         )
         rows.append({

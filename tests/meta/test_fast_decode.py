@@ -152,8 +152,13 @@ def test_cpp_kernels_equal_dequantized_weights():
             got = getattr(ops, f"{name}_matvec")(x, *q).double()
             err = (got - want).abs()
             assert (err <= bound).all(), f"seed={seed} ({out}, {inp}) {name}: max excess {(err - bound).max():.3g}"
-            # and what the loop computes exactly: x rounded to int8 blocks (round_activation) times w_hat
-            exact = cpu_kernels.round_activation(x).double() @ w_hat.double().T
+            # and what the loop computes exactly: each block of 32 inputs rounded to int8 codes of scale
+            # max |x| / 127 (as x * (1 / d), ties to even), times w_hat
+            x_hat = torch.zeros_like(x)
+            for b in range(0, inp, 32):
+                d = x[:, b : b + 32].abs().amax(-1, keepdim=True) / 127
+                x_hat[:, b : b + 32] = torch.round(x[:, b : b + 32] * (1 / d)) * d
+            exact = x_hat.double() @ w_hat.double().T
             torch.testing.assert_close(got, exact, atol=1e-4, rtol=1e-5, msg=f"seed={seed} {name}: x's rounding")
 
 
