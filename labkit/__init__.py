@@ -29,6 +29,7 @@ STAGES = {
     ),
     "04": ("stage04_batching", "paged KV cache, prefix caching, continuous batching, streaming server"),
     "04b": ("stage04_batching", "Structured output and multi-LoRA serving"),
+    "04c": ("stage04_batching", "A quantized (FP8, INT8) KV cache served behind a quality gate"),
     "05": ("stage05_flashattention", "online softmax, FlashAttention and decode kernels in Triton"),
     "06": ("stage06_speculative", "speculative decoding, rejection sampling, prompt lookup"),
     "06b": ("stage06_speculative", "Speculation in a batching engine, Medusa heads"),
@@ -37,7 +38,20 @@ STAGES = {
         "stage07_tensor_parallel",
         "A fleet behind one endpoint: a radix prefix cache, routing policies, goodput under an SLO",
     ),
+    "07c": ("stage07_tensor_parallel", "Pipeline parallelism and context (ring) parallelism"),
+    "07d": ("stage07_tensor_parallel", "Mixture of Experts and expert parallelism"),
 }
+
+# A row is a stage's part: part 1 is lab.ipynb (notebook 1); a later part owns the notebooks listed here, and
+# part 2 (the "b" row) every other notebook of its stage.
+PART_NOTEBOOKS = {"04c": (5,), "07c": (6, 7), "07d": (8,)}
+
+
+def row_of(stage: str, notebook: int) -> str:
+    """The grader row of a stage's notebook: ("02", 1) -> "02", ("02", 3) -> "02b", ("07", 6) -> "07c"."""
+    if notebook == 1:
+        return stage
+    return next((row for row, books in PART_NOTEBOOKS.items() if row[:2] == stage and notebook in books), stage + "b")
 
 
 def triton_interpret() -> str:

@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import ROOT, STAGES, bench
+from .. import ROOT, STAGES, bench, row_of
 
 QUICK_ROWS = ("01", "04", "07b")
 SKIP = shutil.ignore_patterns(".git", ".venv", "__pycache__", "bench_results", ".grade", "*.png", ".ruff_cache")
@@ -51,8 +51,7 @@ def row_sections(number: str) -> dict[str, list[tuple[int, int]]]:
     """module -> the sections of its TODOs that belong to the row (lab.ipynb for 02, lab2/lab3 for 02b), from
     the skeleton's TODO list the course ships (tests/todos.json: [name, notebook, k])."""
     found = json.loads((ROOT / "tests" / "todos.json").read_text())[STAGES[number][0]]
-    part2 = len(number) == 3
-    return {m: [(nb, k) for _, nb, k in todos if (nb != 1) == part2] for m, todos in found.items()}
+    return {m: [(nb, k) for _, nb, k in todos if row_of(number[:2], nb) == number] for m, todos in found.items()}
 
 
 def half_done(course: Path, number: str) -> list[str]:

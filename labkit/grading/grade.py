@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from .. import ROOT, STAGES, triton_interpret
+from .. import ROOT, STAGES, row_of, triton_interpret
 from . import sandbox, todo
 
 PART_RE = re.compile(r"^test_(\d\d[a-z])_\w+\.py$")  # test_02b_mla.py belongs to row 02b
@@ -101,7 +101,7 @@ def row_todos(course: Path, source: Path, number: str) -> list[dict]:
     found = []
     for module, todos in todo.stage_todos(source, folder).items():
         for name, section in todos:
-            if (section[0] != 1) == (len(number) == 3):  # row 02 is lab.ipynb, 02b lab2/lab3.ipynb
+            if row_of(number[:2], section[0]) == number:  # row 02 is lab.ipynb, 02b lab2/lab3.ipynb
                 found.append({"name": name, "module": module, "section": list(section)})
     for t in found:
         t["started"] = not todo.untouched(course, folder, t["module"], t["name"])

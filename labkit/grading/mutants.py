@@ -31,9 +31,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import ROOT, STAGES, triton_interpret
+from .. import ROOT, STAGES, row_of, triton_interpret
 from .junit import _cases
-from .todo import stage_files
+from .todo import section, stage_files
 
 CATALOGUE = ROOT / "tests" / "meta" / "mutants"
 ROWS = tuple(STAGES)  # 01, 02, 02b, ...: a part 2 row has a catalogue of its own
@@ -72,16 +72,21 @@ def part_two(stage: str) -> bool:
     return not stage.isdigit()
 
 
+def file_row(name: str) -> str:
+    """The row a test file grades: test_02_x.py is row 02, test_07c_x.py row 07c."""
+    return re.match(r"test_(\d\d[a-z]?)_", name).group(1)
+
+
 def todo_functions(stage: str) -> dict[str, list[str]]:
     """{file: [qualified names]} of every skeleton function of this row that holds a TODO (the innermost
-    one); a part 2 TODO points at lab2.ipynb or lab3.ipynb, a part 1 TODO at lab.ipynb."""
+    one); a TODO belongs to the row of the notebook its message names (labkit.row_of)."""
     todos: dict[str, list[str]] = {}
     folder = ROOT / STAGES[stage][0]
     for path in stage_files(folder):  # and a sub-package's: fleet/router.py
         text = path.read_text()
         funcs = list(_functions(ast.parse(text)))
         for lineno, line in enumerate(text.splitlines(), 1):
-            if not _TODO.search(line) or bool(re.search(r"lab\d\.ipynb", line)) != part_two(stage):
+            if not _TODO.search(line) or row_of(stage[:2], (section(line) or (1, 0))[0]) != stage:
                 continue
             around = [(n.end_lineno - n.lineno, q) for q, n in funcs if n.lineno <= lineno <= n.end_lineno]
             if around:
@@ -141,7 +146,7 @@ def test_files(stage: str, mutant: Mutant) -> list[str]:
     folder = STAGES[stage][0]
     module = f"{folder}.{mutant.file.removesuffix('.py').replace('/', '.')}"
     files = stage_files(ROOT / "tests" / folder, "test_*.py")
-    files = [f for f in files if bool(re.match(rf"test_{stage[:2]}b_", f.name)) == part_two(stage)]
+    files = [f for f in files if file_row(f.name) == stage]
 
     def rank(f: Path):
         text = f.read_text()
