@@ -12,6 +12,8 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")  # vLLM's --kv-cache-dtype names (kv_quant.py stores the last two)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -22,6 +24,7 @@ class EngineConfig:
     max_model_len: int | None = None  # prompt + output tokens of one request; None: all the pool and the model hold
     enable_prefix_caching: bool = True
     batch_invariant: bool = False  # a token's logits independent of its batch, bit for bit (batch_invariant.py); slower
+    kv_cache_dtype: str = "auto"  # the KV pool's format (kv_quant.py): auto (the model's), fp8_e4m3 or int8
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -31,6 +34,12 @@ class EngineConfig:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(
                 f"max_model_len must be an integer >= 2 (a prompt token and an output), got {self.max_model_len!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.batch_invariant and self.kv_cache_dtype != "auto":
+            raise ValueError(
+                f"batch_invariant reads the float pool only; kv_cache_dtype={self.kv_cache_dtype!r} needs it off"
             )
 
     def context_length(self, max_position_embeddings: int) -> int:
@@ -66,6 +75,10 @@ class EngineConfig:
                 flags.append("--num-gpu-blocks-override")
             if f.type == "bool" or f.type is bool:
                 group.add_argument(*flags, dest=f.name, default=f.default, action=argparse.BooleanOptionalAction)
+            elif f.name == "kv_cache_dtype":
+                group.add_argument(
+                    *flags, dest=f.name, choices=KV_CACHE_DTYPES, default=f.default, help="default: auto"
+                )
             else:
                 group.add_argument(*flags, dest=f.name, type=int, default=f.default, help=f"default: {f.default}")
 

@@ -27,6 +27,7 @@ from .batch_invariant import forward_invariant
 from .block_manager import BlockManager
 from .byte_dfa import DFA, compile_regex
 from .config import EngineConfig
+from .kv_quant import make_cache
 from .paged_attention import PagedKVCache, paged_attention, slot_mapping
 from .sampling import apply_penalties, find_stop, logprobs_of, safe_length, sample
 from .scheduler import Scheduler
@@ -102,7 +103,8 @@ def forward_paged(
         q, k = attn.norm_qk(q, k)  # Qwen3's per-head RMSNorm; a no-op for the others
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (N, heads, D)
         cache.write(i, k, v, slots)
-        y = paged_attention(q, cache.k[i], cache.v[i], block_tables, context_lens, query_lens)
+        k_pool, v_pool, tables = cache.read(i, block_tables)  # a quantized pool's blocks widened to float32
+        y = paged_attention(q, k_pool, v_pool, tables, context_lens, query_lens)
         x = x + attn.o_proj(y.reshape(N, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     if keep is not None:
@@ -174,7 +176,9 @@ class LLMEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
-        self.cache = PagedKVCache(model.config, c.num_blocks, c.block_size, next(model.parameters()).dtype)
+        self.cache = make_cache(
+            model.config, c.num_blocks, c.block_size, c.kv_cache_dtype, next(model.parameters()).dtype
+        )
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         self.requests: dict[str, Sequence] = {}
         self.unforked: dict[str, list[Sequence]] = {}  # parent id -> the siblings it forks once its prompt is computed

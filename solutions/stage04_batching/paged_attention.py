@@ -33,6 +33,11 @@ class PagedKVCache:
         self.k[layer].view(-1, n_kv, d)[slot_mapping] = k
         self.v[layer].view(-1, n_kv, d)[slot_mapping] = v
 
+    def read(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(k_pool, v_pool, block_tables) for paged_attention: the pools themselves here; a quantized cache
+        (part 3, kv_quant.py) hands back its blocks widened to float32 instead."""
+        return self.k[layer], self.v[layer], block_tables
+
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: duplicate block src into block dst in every layer."""
         for pool in (*self.k, *self.v):
