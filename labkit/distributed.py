@@ -15,6 +15,9 @@ Three things make it safe to call from tests and notebooks:
 
 `fn` must be a module-level function (the children import it by module name, or by file path
 for a test file pytest imported under another name). `init_from_env()` is the torchrun side.
+
+Point-to-point transfers (pipeline stages, a ring of KV blocks) go through `isend`/`irecv` and `wait`, which
+bounds every wait by a timeout and turns gloo's error into `PeerLost`, naming the peer and the transfer.
 """
 
 import importlib
@@ -39,6 +42,40 @@ _RANK = 0
 
 class RankFailed(RuntimeError):
     """A rank raised; the message carries that rank's traceback."""
+
+
+class PeerLost(RuntimeError):
+    """A send or receive did not complete: the peer died (gloo saw its connection close) or did not answer in time."""
+
+
+def isend(tensor: torch.Tensor, dst: int):
+    """Start sending `tensor` to rank dst; keep the returned work (and the tensor) until `wait` says it is done."""
+    return dist.isend(tensor.contiguous(), dst)
+
+
+def irecv(tensor: torch.Tensor, src: int):
+    """Start receiving into `tensor` (its shape and dtype must be the sender's) from rank src."""
+    return dist.irecv(tensor, src)
+
+
+def wait(work, timeout_s: float, what: str) -> None:
+    """Wait for a transfer `isend`/`irecv` started; PeerLost after timeout_s or when the peer is gone.
+    `what` names the transfer for the error ("stage 1's activation from rank 0")."""
+    try:
+        work.wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        cause = str(e).split("] ", 1)[-1].split(". ", 1)[0]  # gloo's reason without its source path
+        raise PeerLost(
+            f"rank {dist.get_rank()}: {what} did not complete within {timeout_s:g} s ({cause}); "
+            "did that rank die, or fall behind by more than the timeout?"
+        ) from e
+
+
+def recv(shape: tuple[int, ...], src: int, timeout_s: float, what: str, dtype=torch.float32) -> torch.Tensor:
+    """Receive a tensor of a shape both sides know from rank src, waiting at most timeout_s (PeerLost otherwise)."""
+    buf = torch.empty(shape, dtype=dtype)
+    wait(irecv(buf, src), timeout_s, what)
+    return buf
 
 
 def backend() -> str:
