@@ -32,8 +32,9 @@ setup: .venv/.installed .venv/.model-installed
 	  echo "check the network or pip's index settings, then run make setup again"; exit 1; }
 	@touch $@
 
-## make test: the whole suite against the reference solutions, plus the course guarantees (tests/meta)
-test: setup
+## make test: the whole suite against the reference solutions, plus the course guarantees (tests/meta); it installs
+## the optional backends first (make guided, make llamacpp: built once), so that no graded test skips but for a GPU
+test: setup guided llamacpp
 	$(PY) -m labkit.grading.suite
 
 ## make grade [STAGE=02]: grade your own stage code (STAGE=02b: a stage's second part)

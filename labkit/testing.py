@@ -352,10 +352,23 @@ REAL_MARGIN = 6e-4
 
 
 def assert_decisive(want: list[int], want_logits, margin: float, what: str) -> None:
-    """Each of the reference's greedy tokens want[i] leads the runner-up of want_logits[i] by more than margin,
-    so every path within margin / 2 of the reference's logits picks exactly want: where only text can be
-    compared (a server's answer), this makes an exact comparison sound on every CPU."""
-    top2 = torch.as_tensor(want_logits[: len(want)]).float().topk(2, -1).values
+    """Each of the reference's greedy tokens want[i] is the argmax of want_logits[i] and leads its runner-up by
+    more than margin, so every path within margin / 2 of the reference's logits picks exactly want: where only
+    text can be compared (a server's answer), this makes an exact comparison sound on every CPU.
+
+    want and want_logits both come from the reference (labkit's contiguous-cache model, HF), never from the
+    code under test: a decisive reference says nothing about tokens the reference did not choose."""
+    logits = torch.as_tensor(want_logits[: len(want)]).float()
+    assert len(logits) == len(want), f"{what}: {len(want)} tokens but logits for {len(logits)} positions"
+    top = logits.argmax(-1)
+    chosen = logits.gather(-1, torch.as_tensor(want, dtype=torch.long)[:, None])[:, 0]
+    if (wrong := (chosen < logits.max(-1).values).nonzero()).numel():
+        i = int(wrong[0])
+        raise AssertionError(
+            f"{what}: the reference's token {i} is {want[i]}, but its logits' maximum is token {int(top[i])}, "
+            f"{float(logits[i, top[i]] - chosen[i]):.3g} higher: want is not these logits' greedy sequence"
+        )
+    top2 = logits.topk(2, -1).values
     gap = top2[:, 0] - top2[:, 1]
     i = int(gap.argmin())
     assert gap[i] > margin, (

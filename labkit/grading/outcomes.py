@@ -6,6 +6,11 @@ One JSON line per finished test: {"id": nodeid, "outcome": passed|failed|skipped
 Nothing is written to a file or named on the command line, so a submission has no report to
 rewrite; a test the pipe never hears about counts as failed (labkit.grading.grade).
 
+A test may skip only by the course's markers, set at collection (`gpu` without a GPU, `skipif` on an optional
+package that is not installed), or by pytest.importorskip, called from a test or fixture of the course, for an
+optional package this machine cannot import: that skip is reported as "needs llguidance (make guided)", never
+as the learner's failure. Any other skip raised while a test runs counts as the code under test's failure.
+
 With LABKIT_WORKER set (labkit.grading.grade --submission, most rows), the learner's code runs in a
 worker process (labkit.grading.worker) and this process is made non-dumpable, so neither the worker nor
 any process a test starts can open this one's /proc/PID/fd or memory. Without it (self-assessment,
@@ -17,10 +22,12 @@ routes (a hook planted via gc, a patched assert_allclose); it is not isolation (
 """
 
 import ctypes
+import importlib.util
 import json
 import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +45,8 @@ _ASSERTIONS = {
     "torch.testing": ("assert_close",),
 }
 LEARNER_FILE = re.compile(r"(?:^|/)(stage\d\d_\w+/(?:\w+/)?\w+\.py)$")  # or a sub-package's: fleet/router.py
+# The optional packages a graded test may need, and the command that installs each (the Makefile's targets).
+OPTIONAL = {"llguidance": "make guided", "xgrammar": "make guided", "llama_cpp": "make llamacpp"}
 
 
 def _guarded() -> dict[str, object]:
@@ -83,14 +92,19 @@ class Outcomes:
 
     def pytest_collection_finish(self, session):
         self.before = self._fingerprint()  # after collection, before any learner code ran
-        # Only the course may skip a test (a `gpu` test without a GPU): by a marker set at collection.
+        # Only the course may skip a test (a `gpu` test without a GPU): by a marker set at collection, or by
+        # importorskip of a missing optional package (missing_package).
         self.may_skip = {
             i.nodeid for i in session.items if i.get_closest_marker("skip") or i.get_closest_marker("skipif")
         }
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_makereport(self, item, call):
-        if call.excinfo is not None and not call.excinfo.errisinstance(pytest.skip.Exception):
+        if call.excinfo is not None and call.excinfo.errisinstance(pytest.skip.Exception):
+            # the machine lacks an optional package: not graded, and not the learner's failure
+            if needs := missing_package(call.excinfo, item.config.rootpath / "tests"):
+                self.seen.setdefault(item.nodeid, {"outcome": "passed", "message": ""})["needs"] = needs
+        elif call.excinfo is not None:
             case = self.seen.setdefault(item.nodeid, {"outcome": "passed", "message": ""})
             case.setdefault("type", call.excinfo.typename)
             if call.excinfo.type is worker.WorkerError:  # the worker died: a crash, in the course's words
@@ -111,6 +125,9 @@ class Outcomes:
             if where := _deepest_learner_frame(report.longrepr):
                 case.setdefault("where", where)
         elif report.skipped and case["outcome"] == "passed":
+            if needs := case.pop("needs", None):
+                case.update(outcome="skipped", message=needs)
+                return
             if report.nodeid not in self.may_skip:
                 ours = "the code under test skipped this test; only the course's markers may"
                 case.update(outcome="failed", message=ours, ours=ours)
@@ -124,6 +141,34 @@ class Outcomes:
             self._send({"tampered": f"the code under test replaced {', '.join(changed)} while it was graded"})
             self.before = None  # report it once; the grader zeroes the row
         self._send({"id": nodeid, **self.seen.pop(nodeid, {"outcome": "failed", "message": "no report"})})
+
+
+def missing_package(excinfo, tests: Path) -> str | None:
+    """ "needs llguidance (make guided)" for a skip that pytest.importorskip raised, called from the course's
+    `tests` folder (a test or a fixture, never a stage module) for a package this machine cannot import; else None.
+
+    Such a skip says nothing about the learner's code: it is reported as skipped, with the command that installs
+    the package, not as a failure. Any other skip raised while a test runs stays the code under test's."""
+    entries = list(excinfo.traceback)
+    for caller, entry in zip(entries, entries[1:], strict=False):
+        code = entry.frame.code.raw
+        if code.co_name != "importorskip" or Path(code.co_filename).parent.name != "_pytest":
+            continue
+        if not Path(caller.path).is_relative_to(tests):
+            return None  # importorskip from the code under test (a stage module): that is its own skip
+        name = str(entry.frame.f_locals.get("modname", ""))
+        top = name.split(".")[0]
+        if not re.fullmatch(r"[A-Za-z_]\w*(?:\.\w+)*", name) or _importable(top):
+            return None
+        return f"needs {top} ({OPTIONAL.get(top, f'pip install {top}')}); not graded"
+    return None
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def condense(text: str) -> str:

@@ -428,6 +428,70 @@ def test_a_test_skipped_from_the_module_counts_as_failed(course, tmp_path):
     assert (row["status"], row["passed"], row["total"]) == ("in progress", 1, 2), row
 
 
+OPTIONAL_TESTS = """
+import pytest
+
+
+@pytest.fixture(scope="module")
+def absent():
+    return pytest.importorskip("labkit_absent_package")
+
+
+def test_needs_a_package_in_the_test(impl):
+    pytest.importorskip("labkit_absent_package.sub")
+
+
+def test_needs_a_package_in_a_fixture(impl, absent):
+    pass
+
+
+def test_needs_it_too(impl, absent):
+    pass
+"""
+
+
+def toy_records(course) -> dict[str, dict]:
+    """The grader's outcome records of the toy's row 01, run as make grade runs it (in-process), by test name."""
+    files = grade.row_tests(course, "01")
+    env = os.environ | {"LABS_IMPL": "student", "PYTHONPATH": str(course)}
+    records, _ = grade.run_row(course, files, env, 120, None)
+    return {r["id"].rsplit("::", 1)[-1]: r for r in records if "id" in r}
+
+
+def test_a_missing_optional_package_is_reported_as_needed_not_as_the_learners_failure(course):
+    """pytest.importorskip in a course test or fixture, for a package the machine lacks (llguidance without
+    `make guided`), is reported as what to install; the row stays complete (issue 62)."""
+    (course / "tests" / "stage01_forward_numpy" / "test_01_optional.py").write_text(OPTIONAL_TESTS)
+    write_learner(course, SOLUTION)
+    (row,) = rows(course)
+    assert (row["status"], row["passed"], row["total"], row["skipped"]) == ("complete", 2, 2, 3), row
+    records = toy_records(course)
+    for name in ("test_needs_a_package_in_the_test", "test_needs_a_package_in_a_fixture", "test_needs_it_too"):
+        assert records[name]["outcome"] == "skipped", records[name]
+        want = "needs labkit_absent_package (pip install labkit_absent_package)"
+        assert records[name]["message"].startswith(want), records[name]
+
+
+def test_the_make_targets_of_the_optional_packages_are_named():
+    from labkit.grading.outcomes import OPTIONAL
+
+    assert OPTIONAL == {"llguidance": "make guided", "xgrammar": "make guided", "llama_cpp": "make llamacpp"}
+    makefile = (ROOT / "Makefile").read_text()
+    for target in set(OPTIONAL.values()):
+        assert re.search(rf"^{target.split()[1]}:", makefile, re.M), f"the Makefile has no {target!r}"
+
+
+def test_a_skip_raised_by_the_learners_code_still_fails(course):
+    """The same importorskip, called from the learner's module, counts as the code under test's failure: only
+    the course's tests and fixtures may ask for an optional package."""
+    code = "import pytest\n\n\ndef add(a, b):\n    pytest.importorskip('labkit_absent_package')\n    return a + b\n"
+    write_learner(course, code + "\n\ndef sub(a, b):\n    return a - b\n")
+    (row,) = rows(course)
+    assert (row["passed"], row["total"], row["skipped"]) == (1, 2, 0), row
+    (failure,) = row["failures"]
+    assert failure["test"].endswith("test_add_is_exact") and "only the course's markers may" in failure["message"]
+
+
 @needs_sandbox
 def test_no_process_outlives_its_grading(course, tmp_path):
     token = f"grader-test-{uuid.uuid4().hex}"

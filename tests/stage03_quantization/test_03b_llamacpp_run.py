@@ -1,8 +1,10 @@
 """Your GGUF files of the tiny target, run by llama.cpp itself, against the Hugging Face model.
 
-llama.cpp is optional (it compiles on install): these tests skip, saying how to install it, when
-`llama_cpp` is not importable, and run wherever it is (`make llamacpp`).
+llama.cpp is optional (it compiles on install): these tests skip at collection, saying how to install it,
+when `llama_cpp` is not importable, and run wherever it is (`make llamacpp`; `make test` builds it once).
 """
+
+from importlib.util import find_spec
 
 import numpy as np
 import pytest
@@ -12,15 +14,20 @@ import labkit
 from labkit.checkpoint import load_tokenizer
 from labkit.quality import heldout
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        find_spec("llama_cpp") is None,
+        reason="needs llama_cpp (make llamacpp: builds llama-cpp-python, a few minutes on 2 idle cores)",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
 def llama_cpp():
-    return pytest.importorskip(
-        "llama_cpp",
-        reason="llama.cpp is not installed; `make llamacpp` builds it (llama-cpp-python, about 4 min on 2 idle cores)",
-    )
+    import llama_cpp
+
+    return llama_cpp
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:

@@ -11,6 +11,8 @@ import pytest
 import torch
 from stage04_helpers import LiveServer, model_logprobs, random_prompts, reference_decode, wait_blocks_free
 
+from labkit.testing import FP32_MARGIN, assert_decisive
+
 
 @pytest.fixture(scope="module")
 def server(impl, tokenizer):
@@ -31,11 +33,17 @@ def _prompts(seed: int, tokenizer, count: int, lo: int, hi: int) -> list[list[in
     return random_prompts(seed, count, lo, hi, vocab_size=tokenizer.get_vocab_size())
 
 
-def _greedy_text(server, tokenizer, prompt: list[int], n: int) -> str:
-    """What greedy decoding writes in n tokens, up to the model's EOS (which the server stops at)."""
-    out = reference_decode(server.model, prompt, n)
-    eos = server.model.config.eos_token_id
-    return tokenizer.decode(out[: out.index(eos)] if eos in out else out)
+def _greedy_text(server, tokenizer, prompt: list[int], n: int, eos: bool = True) -> str:
+    """What greedy decoding writes in n tokens, up to the model's EOS (which the server stops at unless
+    eos=False). The server batches and pages, so its sums round otherwise: each reference token must lead
+    by more than FP32_MARGIN for an exact comparison of text to be sound (assert_decisive)."""
+    seen = []
+    out = reference_decode(server.model, prompt, n, seen=seen)
+    stop = server.model.config.eos_token_id
+    if eos and stop in out:
+        out = out[: out.index(stop) + 1]  # the EOS too: where the server stops must be decisive as well
+    assert_decisive(out, torch.stack(seen), FP32_MARGIN, f"the greedy reference after {prompt}")
+    return tokenizer.decode(out[:-1] if eos and stop in out else out)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -160,4 +168,5 @@ def test_aiperf_streaming_chat_reports_usage_and_cached_tokens(server, client, t
         f"a {len(prompt)}-token prompt sent twice: cached_tokens {cached}; the second time every full block "
         f"of {block} before the last token is a hit"
     )
-    assert texts[0] == texts[1] == tokenizer.decode(reference_decode(server.model, prompt, 7)), "a hit changes nothing"
+    want = _greedy_text(server, tokenizer, prompt, 7, eos=False)  # ignore_eos
+    assert texts[0] == texts[1] == want, f"a hit changes nothing: {texts}, greedy {want!r}"

@@ -1,12 +1,12 @@
 """§2 of lab2.ipynb under load: one client's constraint must not stall the others.
 
 The reference for each mask is the slow obvious walk of every token's bytes through the DFA in this
-file; the bystander's time to first token is compared with its own idle figure, measured in the same
-run (a generous bound: the figures themselves live in `python -m labkit.bench 04b_constraints`).
+file. Under load the test checks where the work runs (never on the event loop's thread), not how long a
+bystander waits: that figure lives in `python -m labkit.bench 04b_constraints`.
 """
 
+import asyncio
 import re
-import statistics
 import threading
 import time
 
@@ -82,27 +82,37 @@ def test_memoized_rows_are_bounded_by_bytes(impl, tokenizer):
 OVER_BUDGET = {"[ -~]*a[ -~]{12}": "4096 states|s of CPU", "((a{100}){100}){100}": "NFA states|s of CPU"}
 
 
-def first_token_time(url: str) -> float:
-    """Seconds from sending a plain streaming completion to its first content chunk."""
+def first_chunk(url: str) -> str:
+    """The first content chunk of a plain streaming completion."""
     body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True}
-    start = time.perf_counter()
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                return time.perf_counter() - start
+                return line
     raise AssertionError("the stream ended without a chunk")
 
 
-def test_heavy_constraints_neither_stall_a_bystander_nor_run_past_a_budget(impl, tokenizer):
-    """Three clients send ~2,048-state patterns at once; a fourth, plain request's time to first token
-    stays within 1.5x of its idle figure, /health answers promptly, and the constrained requests are
-    served. A pattern past a budget gets a 400 naming the budget (how soon is byte_dfa's CPU budget, not timed here)."""
+def test_heavy_constraints_neither_stall_a_bystander_nor_run_past_a_budget(impl, tokenizer, monkeypatch):
+    """Three clients send ~2,048-state patterns at once: no mask row is computed on the event loop's thread,
+    the one that serves HTTP (where a row or a compile stalls every other client), a fourth, plain request and
+    /health are answered meanwhile, and the constrained requests are served. A pattern past a budget gets a
+    400 naming the budget. How long a bystander waits is the benchmark's figure (`make bench
+    STAGE=04b_constraints`), never asserted here: a unit test on a shared machine cannot time it fairly."""
+    structured = impl("stage04_batching.structured")
+    rows_on_loop, rows = [], []
+    real = structured.state_mask
+
+    def state_mask(*args, **kwargs):
+        rows.append(args[2])
+        if asyncio._get_running_loop() is not None:  # this thread runs the server's event loop
+            rows_on_loop.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(structured, "state_mask", state_mask)
     server = LiveServer(impl, tokenizer)
     try:
-        for _ in range(2):
-            first_token_time(server.url)  # warm up: the first requests pay one-off start-up costs
-        idle = statistics.median(first_token_time(server.url) for _ in range(5))
+        first_chunk(server.url)  # the server is up and serves plain requests
         results: dict[str, httpx.Response] = {}
 
         def constrained(pattern: str) -> None:
@@ -113,10 +123,8 @@ def test_heavy_constraints_neither_stall_a_bystander_nor_run_past_a_budget(impl,
         for t in threads:
             t.start()
         time.sleep(0.05)  # the compiles are under way
-        busy = [first_token_time(server.url) for _ in range(3)]
-        start = time.perf_counter()
-        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
-        health = time.perf_counter() - start
+        bystander = [first_chunk(server.url) for _ in range(3)]
+        health = httpx.get(f"{server.url}/health", timeout=30).status_code
         for t in threads:
             t.join(150)
         refusals = {}
@@ -125,13 +133,12 @@ def test_heavy_constraints_neither_stall_a_bystander_nor_run_past_a_budget(impl,
             refusals[pattern] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
     finally:
         server.close()
-    # Medians, and 0.1 s of slack for the other processes of a shared 2-core machine: compiling on the
-    # serving thread (the bug) costs the bystander seconds, not tenths.
-    assert statistics.median(busy) <= 1.5 * idle + 0.1, (
-        f"a plain request's time to first token while three constraints compile: {[round(b, 3) for b in busy]} s, "
-        f"idle (median of 5) {idle:.3f} s; bound: median within 1.5x idle + 0.1 s"
+    assert len(bystander) == 3 and health == 200, f"/health {health} while constraints compiled"
+    assert rows, "the constrained requests computed no mask row: were they constrained at all?"
+    assert not rows_on_loop, (
+        f"{len(rows_on_loop)} of {len(rows)} mask rows (states {rows_on_loop[:5]}) were computed on the event "
+        "loop's thread: every other client waits while one runs"
     )
-    assert health < 0.5, f"/health took {health:.2f} s while constraints compiled"
     for pattern in HEAVY:
         r = results.get(pattern)
         assert r is not None and r.status_code == 200, f"{pattern!r}: {r and (r.status_code, r.text)}"

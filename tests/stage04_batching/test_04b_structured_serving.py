@@ -8,6 +8,7 @@ guided_regex outputs.
 import json
 import random
 import re
+from importlib.util import find_spec
 
 import jsonschema
 import numpy as np
@@ -223,11 +224,17 @@ def test_a_guided_regex_the_engine_cannot_compile_gets_400(server, pattern):
     assert r.json()["error"]["param"] == "guided_regex", r.json()
 
 
-@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        pytest.param(name, marks=pytest.mark.skipif(find_spec(name) is None, reason=f"needs {name} (make guided)"))
+        for name in ("llguidance", "xgrammar")
+    ],
+)
 def test_a_library_behind_the_guided_backend_interface_gives_valid_json_too(impl, tokenizer, backend):
-    """`--guided-decoding-backend llguidance|xgrammar` (optional packages, `make guided`): the engine's guides
-    come from the library instead of the course's token index, and every sampled output is still valid."""
-    pytest.importorskip(backend)
+    """`--guided-decoding-backend llguidance|xgrammar` (optional packages, `make guided`, which `make test`
+    installs): the engine's guides come from the library instead of the course's token index, and every sampled
+    output is still valid."""
     LibraryBackend = impl("stage04_batching.guided_backends").LibraryBackend
     engine_mod, sequence, structured = (impl(f"stage04_batching.{m}") for m in ("engine", "sequence", "structured"))
     schema = SCHEMAS[0]

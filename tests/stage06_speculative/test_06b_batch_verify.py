@@ -60,12 +60,17 @@ def test_verify_batch_greedy_accepts_each_sequences_own_count_in_one_forward(imp
     assert len(calls) == 1, (
         f"seed={seed}: verify_batch ran the target {len(calls)} times; the whole batch is ONE forward"
     )
+    kept = []
     for i in range(4):
         # one forward over the ragged batch sums in other shapes than greedy_ref: equal up to a near-tie
         what = f"seed={seed} sequence {i} (k={ks[i]}, drafts {drafts[i]}): the target's greedy accepts {agree[i]}"
         logits = greedy_logits(target, tokens[i], expected[i])
         assert_greedy_within(new[i], expected[i], logits, FP32_MARGIN, what)
-    problem = blocks_match_tokens(store, {s: len(t) + len(n) - 1 for s, t, n in zip(ids, tokens, new, strict=True)})
+        # the store keeps the accepted drafts: the expected ones, unless a near-tie (allowed above) parted them
+        accepted = agree[i] if new[i] == expected[i] else len(new[i]) - 1
+        assert new[i][:accepted] == drafts[i][:accepted], f"{what}: accepted {new[i][:-1]}, not a prefix of the drafts"
+        kept.append(len(tokens[i]) + accepted)
+    problem = blocks_match_tokens(store, dict(zip(ids, kept, strict=True)))
     assert problem is None, f"seed={seed} block_size={block_size}: after verification, {problem}"
 
 

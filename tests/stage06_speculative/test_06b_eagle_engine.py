@@ -1,10 +1,10 @@
 """The EAGLE head as the batching engine's proposer (lab4 §4 inside lab2's engine): greedy output equals the
-target's own greedy decoding with sequences joining and leaving and with preemption, and a head that is
+target's own greedy decoding (up to a near-tie, FP32_MARGIN) with sequences joining and leaving and with preemption, and a head that is
 mostly right gets most of its drafts accepted."""
 
 import pytest
 from stage06_eagle_helpers import copying_head, make_target, random_head
-from test_06b_batch_engine import expected_outputs, requests, run_checked
+from test_06b_batch_engine import expected_outputs, like_greedy, requests, run_checked
 
 pytestmark = pytest.mark.in_process("the engine holds the test's models and stores")
 
@@ -18,8 +18,8 @@ def test_engine_with_eagle_equals_target_greedy_with_sequences_joining(impl, con
     reqs = requests(seed, 6, target.config.vocab_size)
     engine = eng.SpecBatchEngine(target, copying_head(target), k=k, block_size=block_size, max_batch=4)
     seqs = run_checked(engine, reqs[:4], {2: reqs[4:]}, seed)
-    for i, (s, ref) in enumerate(zip(seqs, expected_outputs(target, reqs, None), strict=True)):
-        assert s.generated == ref, f"{config} seed={seed} request {i}: {s.generated}, target greedy {ref}"
+    for i, (s, ref, (prompt, _)) in enumerate(zip(seqs, expected_outputs(target, reqs, None), reqs, strict=True)):
+        like_greedy(s.generated, target, prompt, ref, f"{config} seed={seed} request {i}: target greedy")
     assert engine.accepted > engine.rejected, (
         f"{config} seed={seed}: a mostly-right head had {engine.accepted} drafts accepted, {engine.rejected} "
         "rounds rejected: is each sequence handed its own true features?"
@@ -37,5 +37,5 @@ def test_engine_with_eagle_survives_preemption(impl, config, seed, block_size, k
     )
     seqs = run_checked(engine, reqs, {}, seed)
     assert engine.preemptions > 0, f"seed={seed}: the pool was meant to be too small for the whole batch"
-    for i, (s, ref) in enumerate(zip(seqs, expected_outputs(target, reqs, None), strict=True)):
-        assert s.generated == ref, f"seed={seed} request {i}: after {engine.preemptions} preemptions got {s.generated}"
+    for i, (s, ref, (prompt, _)) in enumerate(zip(seqs, expected_outputs(target, reqs, None), reqs, strict=True)):
+        like_greedy(s.generated, target, prompt, ref, f"seed={seed} request {i} after {engine.preemptions} preemptions")
