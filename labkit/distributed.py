@@ -50,12 +50,18 @@ class PeerLost(RuntimeError):
 
 def isend(tensor: torch.Tensor, dst: int):
     """Start sending `tensor` to rank dst; keep the returned work (and the tensor) until `wait` says it is done."""
-    return dist.isend(tensor.contiguous(), dst)
+    try:
+        return dist.isend(tensor.contiguous(), dst)
+    except RuntimeError as e:  # gloo raises at once when it already knows the peer is gone
+        raise _lost(e, f"a send to rank {dst}", "at once") from e
 
 
 def irecv(tensor: torch.Tensor, src: int):
     """Start receiving into `tensor` (its shape and dtype must be the sender's) from rank src."""
-    return dist.irecv(tensor, src)
+    try:
+        return dist.irecv(tensor, src)
+    except RuntimeError as e:
+        raise _lost(e, f"a receive from rank {src}", "at once") from e
 
 
 def wait(work, timeout_s: float, what: str) -> None:
@@ -64,11 +70,15 @@ def wait(work, timeout_s: float, what: str) -> None:
     try:
         work.wait(timeout=timedelta(seconds=timeout_s))
     except RuntimeError as e:
-        cause = str(e).split("] ", 1)[-1].split(". ", 1)[0]  # gloo's reason without its source path
-        raise PeerLost(
-            f"rank {dist.get_rank()}: {what} did not complete within {timeout_s:g} s ({cause}); "
-            "did that rank die, or fall behind by more than the timeout?"
-        ) from e
+        raise _lost(e, what, f"within {timeout_s:g} s") from e
+
+
+def _lost(error: RuntimeError, what: str, when: str) -> PeerLost:
+    cause = str(error).split("] ", 1)[-1].split(". ", 1)[0]  # gloo's reason without its source path
+    return PeerLost(
+        f"rank {dist.get_rank()}: {what} did not complete {when} ({cause}); "
+        "did that rank die, or fall behind by more than the timeout?"
+    )
 
 
 def recv(shape: tuple[int, ...], src: int, timeout_s: float, what: str, dtype=torch.float32) -> torch.Tensor:
