@@ -1,0 +1,1 @@
+"""Stage 07 part 4: a Mixture-of-Experts block, grouped execution, expert parallelism, MoEfied SmolLM2."""
