@@ -8,10 +8,13 @@ keys and values of its own positions, in every layer: its KV cache is 1/p of the
     out["positions"], out["logits"]                  # this rank's positions and their logits (T_r, vocab)
 """
 
+import statistics
+import time
+
 import torch
 import torch.distributed as dist
 
-from labkit.model import Llama, apply_rope, refuse_extras, rope_cos_sin
+from labkit.model import Llama, apply_rope, from_pretrained, refuse_extras, rope_cos_sin
 
 from . import ring
 
@@ -55,3 +58,27 @@ def cp_prefill(
     kv_bytes = sum(t.numel() * t.element_size() for kv in cache for t in kv)
     out = model.lm_head(model.model.norm(x))[0] if logits else None
     return {"positions": mine, "logits": out, "kv_bytes": kv_bytes}
+
+
+def prefill_worker(folder: str, ids: torch.Tensor, scheme: str, repeats: int = 1, logits: bool = False) -> dict:
+    """What the handout and the benchmark run on every rank: the model in `folder`, cp_prefill of ids `repeats`
+    times after a warm-up. Returns cp_prefill's dict (the last run's) with "seconds" (the median run, between two
+    barriers) and "sent_bytes" (what this rank's isends carried in one run)."""
+    torch.nn.Linear.reset_parameters = torch.nn.Embedding.reset_parameters = lambda self: None  # overwritten anyway
+    model = from_pretrained(folder)
+    sent, isend = [0], dist.isend
+
+    def counted(tensor, *args, **kwargs):
+        sent[0] += tensor.numel() * tensor.element_size()
+        return isend(tensor, *args, **kwargs)
+
+    dist.isend = counted
+    times = []
+    for _ in range(repeats + 1):
+        sent[0] = 0
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = cp_prefill(model, ids, scheme, timeout_s=300, logits=logits)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return {**out, "seconds": statistics.median(times[1:] or times), "sent_bytes": sent[0]}
