@@ -54,9 +54,10 @@ def test_layout_cost_matches_the_terms_by_hand(impl, case):
 
 def test_pipeline_stages_divide_memory_and_pay_a_bubble(impl):
     mod = impl(LAYOUTS)
-    cost = lambda tp, pp, m: mod.layout_cost(
-        LLAMA3_70B, tp, pp, 64, m, 8192, H100["flops"], H100["hbm_bandwidth"], TP_LINK, PP_LINK
-    )  # noqa: E731
+
+    def cost(tp, pp, m):
+        return mod.layout_cost(LLAMA3_70B, tp, pp, 64, m, 8192, H100["flops"], H100["hbm_bandwidth"], TP_LINK, PP_LINK)
+
     one, two = cost(8, 1, 1), cost(8, 2, 1)
     assert two.memory_bytes == pytest.approx(one.memory_bytes / 2), "two stages should halve what each GPU holds"
     assert two.step_s > one.step_s, "at m = 1 a second stage only adds its send: the step cannot get faster"
