@@ -15,6 +15,7 @@ from labkit.fast_verify import StaticVerifier
 from labkit.model import Config, Llama, from_pretrained, init_weights
 from labkit.testing import (
     LLAMA_CONFIGS,
+    REAL_MARGIN,
     assert_argmax_within,
     labkit_from_hf,
     random_llama,
@@ -125,11 +126,59 @@ def matvec_bound(x: torch.Tensor, w_hat: torch.Tensor) -> torch.Tensor:
     return (per_input.double() @ w_hat.abs().double().T) * (1 + 1e-3) + 1e-5 * (x.abs() @ w_hat.abs().T).double()
 
 
+def gguf_blocks(w: torch.Tensor, name: str) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """w (out, in) quantized by gguf.quants (llama.cpp's own Python reference, pinned), as the kernels' arrays
+    (Q8_0: codes, scales; Q4_1: packed nibbles, scales, mins), and gguf.quants' dequantized weights (out, in)."""
+    from gguf import GGMLQuantizationType, quants
+
+    qtype, size = (GGMLQuantizationType.Q8_0, 34) if name == "q8_0" else (GGMLQuantizationType.Q4_1, 20)
+    raw = quants.quantize(w.numpy(), qtype)  # (out, blocks * size) uint8: ggml's block layout
+    w_hat = torch.from_numpy(quants.dequantize(raw, qtype).copy()).float()
+    blocks = torch.from_numpy(raw.copy()).reshape(w.shape[0], -1, size)
+    half = lambda a, b: blocks[..., a:b].contiguous().view(torch.float16)[..., 0]  # noqa: E731
+    if name == "q8_0":  # d (fp16), then 32 int8 codes
+        return (blocks[..., 2:].contiguous().view(torch.int8).reshape(w.shape), half(0, 2)), w_hat
+    # d, m (fp16), then 16 bytes: byte j holds input j (low nibble) and input j + 16 (high)
+    return (blocks[..., 4:].contiguous().reshape(w.shape[0], -1), half(0, 2), half(2, 4)), w_hat
+
+
+def nibbles(packed: torch.Tensor) -> torch.Tensor:
+    blocks = packed.unflatten(1, (-1, cpu_kernels.BLOCK // 2))
+    return torch.cat([blocks & 15, blocks >> 4], -1).flatten(1)
+
+
+def test_cpu_kernels_quantizers_and_layout_against_gguf_quants():
+    """labkit.cpu_kernels' Q8_0 and Q4_1 against gguf.quants: the same fp16 scales (and mins), codes within one
+    step (llama.cpp rounds ties away from zero and picks Q4_1's codes before rounding d and m to fp16), and
+    dequantize reads ggml's block layout exactly."""
+    for out, inp in [(64, 96), (48, 576)]:
+        seed = out + inp
+        gen = torch.Generator().manual_seed(seed)
+        w = torch.randn(out, inp, generator=gen) * torch.rand(out, 1, generator=gen)
+        for name, quantize in [("q8_0", cpu_kernels.quantize_q8_0), ("q4_1", cpu_kernels.quantize_q4_1)]:
+            ref, w_hat = gguf_blocks(w, name)
+            torch.testing.assert_close(cpu_kernels.dequantize(*ref), w_hat, atol=0, rtol=0)
+            mine = quantize(w)
+            for i, (got, want) in enumerate(zip(mine[1:], ref[1:], strict=True)):
+                assert torch.equal(got, want), f"seed={seed} {name}: fp16 {('scales', 'mins')[i]} differ from gguf's"
+            codes = (mine[0], ref[0]) if name == "q8_0" else (nibbles(mine[0]), nibbles(ref[0]))
+            # where d is a subnormal fp16 (tiny rows), llama.cpp's codes, picked with d before rounding, drift
+            # from the stored d; labkit's are picked with it: compare codes where d is normal, errors elsewhere
+            normal = (mine[1].float() >= 2**-14).repeat_interleave(cpu_kernels.BLOCK, 1)
+            step = (codes[0].int() - codes[1].int()).abs()[normal].max().item()
+            assert step <= 1, f"seed={seed} {name}: a code {step} steps from gguf.quants' (normal fp16 scales)"
+            err, ref_err = (cpu_kernels.dequantize(*mine) - w).abs(), (w_hat - w).abs()
+            assert (err[~normal] <= ref_err[~normal] + 1e-9).all(), (
+                f"seed={seed} {name}: labkit's error exceeds gguf.quants' where the scale is subnormal"
+            )
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("c++"), reason="labkit.cpu_kernels compiles C++: no c++ compiler on PATH")
 def test_cpp_kernels_equal_dequantized_weights():
-    """Builds labkit.cpu_kernels (about a minute once, then cached). Q8_0 and Q4_1 against float64 products
-    with the dequantized weights, within the bound of rounding x to int8 blocks (|x| max / 254 per input
+    """Builds labkit.cpu_kernels (about a minute once, then cached). Q8_0 and Q4_1 blocks made by gguf.quants
+    (the independent reference: llama.cpp's own formats, not labkit's quantizers) against float64 products with
+    gguf.quants' dequantized weights, within the bound of rounding x to int8 blocks (|x| max / 254 per input
     times |w|: a wrong block scale or a swapped nibble moves a sum by whole weights); float32 to rounding."""
     ops = cpu_kernels.ops()
     if ops is None:
@@ -145,9 +194,9 @@ def test_cpp_kernels_equal_dequantized_weights():
             torch.testing.assert_close(
                 ops.f32_matvec(xs, packed), xs @ w.T, atol=1e-5, rtol=1e-5, msg=f"seed={seed} f32 B={rows}"
             )
-        for name, quantize in [("q8_0", cpu_kernels.quantize_q8_0), ("q4_1", cpu_kernels.quantize_q4_1)]:
-            q = cpu_kernels.huge_pages([quantize(w)])[0]
-            w_hat = cpu_kernels.dequantize(*q)
+        for name in ("q8_0", "q4_1"):
+            blocks, w_hat = gguf_blocks(w, name)
+            q = cpu_kernels.huge_pages([blocks])[0]
             want, bound = x.double() @ w_hat.double().T, matvec_bound(x, w_hat)
             got = getattr(ops, f"{name}_matvec")(x, *q).double()
             err = (got - want).abs()
@@ -316,6 +365,16 @@ def quantized_logits(model: Llama, weights: str, ids: torch.Tensor, prompt: int)
     return tuple(logits)
 
 
+def reference_in_a_batch_of_two(model: Llama, weights: str, ids: torch.Tensor, prompt: int) -> torch.Tensor:
+    """quantized_logits' dequantized-model logits for ids (1, T), computed beside a copy of them (batch 2)."""
+    dequantized, pair = rtn_model(model, int(weights[3:])), torch.cat([ids, ids])
+    cache = model.new_cache(2, 64)
+    with torch.no_grad():
+        model(pair[:, :prompt], cache)
+        steps = [dequantized(pair[:, t : t + 1], cache) for t in range(prompt, pair.shape[1])]
+    return torch.cat(steps, 1)[:1]
+
+
 def check_quantized(got: torch.Tensor, want: torch.Tensor, fp32: torch.Tensor, weights: str, where: str) -> None:
     """got (the kernels) equals want (the dequantized weights), and want is not the float model's fp32.
 
@@ -339,8 +398,9 @@ def test_quantized_step_equals_dequantized_weights_on_the_target(weights):
     model = from_pretrained(TARGET).eval()
     got, want, fp32 = quantized_logits(model, weights, random_tokens(seed, 14, model.config.vocab_size, 2), 6)
     check_quantized(got, want, fp32, weights, f"seed={seed}")
-    err = (got - want).abs().max().item()  # bounded by check_quantized; a near-tie may still flip
-    assert_argmax_within(got, want, 2 * err, f"seed={seed} {weights}: packed against dequantized")
+    # check_quantized's bound, set by the reference's logits (not the kernels' error): a near-tie within it may flip
+    bound = 2e-3 * want.abs().max().item() if weights == "int8" else 2**-7 * (1 + want.abs().max().item())
+    assert_argmax_within(got, want, 2 * bound, f"seed={seed} {weights}: packed against dequantized")
 
 
 @pytest.mark.parametrize(("out", "inp", "group_size"), [(48, 96, 32), (80, 160, 32), (112, 320, 64)])
@@ -369,7 +429,8 @@ def test_quantized_step_on_the_real_model(weights):
     (an AVX2-only machine flipped a near-tie 0.125 apart). A wrong group scale or a swapped nibble
     moves the logits by the size of the quantization error itself, far past the bound."""
     model = real_labkit()
-    got, want, fp32 = quantized_logits(model, weights, real_ids(12)[None], 8)
+    ids = real_ids(12)[None]
+    got, want, fp32 = quantized_logits(model, weights, ids, 8)
     if weights == "int8":
         check_quantized(got, want, fp32, weights, "REAL_TEXT")
     err, quant_err = (got - want).abs(), (fp32 - want).abs()
@@ -378,7 +439,13 @@ def test_quantized_step_on_the_real_model(weights):
     )
     bound = quant_err.max().item() / 4  # an error scale set by the reference paths, not by the kernels
     assert err.max() < bound, f"REAL_TEXT {weights}: max |packed - dequantized| {err.max():.3f} > {bound:.3f}"
-    assert_argmax_within(got, want, 2 * err.max().item(), f"REAL_TEXT {weights}: packed against dequantized")
+    # The margin comes from the reference alone: the dequantized model again, in a batch of two (other kernels,
+    # other last bits). At int4 its bfloat16 roundings part by about 0.25 logits (0.33 for the kernels), so two
+    # or three tokens lie within the margin at most positions: there the error bounds above carry the test.
+    noise = (reference_in_a_batch_of_two(model, weights, ids, 8) - want).abs().max().item()
+    margin = max(2 * noise, REAL_MARGIN)
+    what = f"REAL_TEXT {weights}: packed against dequantized (reference noise {noise:.3g})"
+    assert_argmax_within(got, want, margin, what)
 
 
 def test_clear_errors():

@@ -66,12 +66,13 @@ def test_kv_cache_generation_runs_in_the_models_dtype(impl, dtype):
     p = prompt(3, 7, hf.config.vocab_size)
     got = impl(GENERATE).generate_kv_cache(model, p, 8)
     want = hf_generate(hf, p, 8)
-    # Both paths round every op to dtype, each about as far from float32 as HF's own logits are (err), so
-    # they part only where HF rates the other token within twice their distance (2 err) of its maximum.
+    # Both paths round every op to dtype, each about as far from float32 as HF's own logits are (err, set by the
+    # two reference paths), so they part only where HF rates the other token within twice that (2 err) of its
+    # maximum. (bfloat16, seed 3: err 0.019; only the last of the 8 steps has a second token within 2 err.)
     logits = greedy_logits(hf, p, want)
     err = (logits - greedy_logits(hf32, p, want)).abs().max().item()
-    what = f"dtype={dtype} seed=3: the cache must hold the model's dtype"
-    assert_greedy_within(got, want, logits, 4 * err, what)
+    what = f"dtype={dtype} seed=3: the cache must hold the model's dtype (HF's {dtype} vs float32 error {err:.3g})"
+    assert_greedy_within(got, want, logits, 2 * err, what)
 
 
 @pytest.mark.parametrize("name", ["mha-untied", "mqa-odd"])

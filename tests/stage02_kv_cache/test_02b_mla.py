@@ -1,8 +1,6 @@
 """Part 2 §1–§5: Multi-head Latent Attention against transformers' DeepSeek-V3, the absorbed form
 against a per-head loop, the latent-only cache, and the memory math of DeepSeek-V3 vs Llama-3-70B."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -29,7 +27,8 @@ CONFIGS = {
 }  # fmt: skip
 
 
-# DeepseekV3Config()'s attributes (transformers 5.x) that a cache-size formula may read.
+# What DeepseekV3Config() (transformers 5.x) holds for DeepSeek-V3: the memory math's test builds the class itself
+# and checks these first, so a drift in transformers' defaults shows as such, not as a wrong byte count.
 DEEPSEEK_V3 = dict(
     model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
     head_dim=64, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
@@ -214,31 +213,34 @@ def test_02b_memory_math_deepseek_v3_against_llama3_70b(impl):
     v 128. Llama-3-70B: 80 layers, 64 query heads, 8 KV heads, head_dim 128; the same shape with 64 KV heads
     (MHA) or 1 (MQA). Qwen3-4B: 36 layers, 32 query heads, 8 KV heads, head_dim 128 on a hidden size of 2560.
 
-    Each config holds what transformers' config class holds for that model (DeepseekV3Config() is DeepSeek-V3,
-    with its derived head_dim = rope dim and KV heads = heads), as a plain object: importing those classes takes
-    two seconds, more than the rest of this section's check."""
+    Each config is transformers' own class for that model (DeepseekV3Config() is DeepSeek-V3, with its derived
+    head_dim = rope dim and KV heads = heads), so that a formula reading a field the real class lacks, or a
+    drift in the class, fails here."""
+    from transformers import DeepseekV3Config, LlamaConfig, Qwen3Config
+
     mla = impl(MLA)
-    v3 = SimpleNamespace(**DEEPSEEK_V3)
+    v3 = DeepseekV3Config()
+    drift = {k: (getattr(v3, k, None), v) for k, v in DEEPSEEK_V3.items() if getattr(v3, k, None) != v}
+    assert not drift, f"transformers' DeepseekV3Config() is no longer DeepSeek-V3 as this test knows it: {drift}"
     assert mla.kv_bytes_per_token(v3) == 61 * (512 + 64) * 2 == 70_272, "MLA caches c_kv and k_pe per layer"
     assert mla.expanded_bytes_per_token(v3) == 61 * 128 * (128 + 64 + 128) * 2 == 4_997_120
     assert mla.kv_bytes_per_token(v3, dtype_bytes=1) == 35_136, "fp8 halves it"
 
     def llama70b(kv_heads):
-        return SimpleNamespace(
-            model_type="llama", hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-            num_key_value_heads=kv_heads, head_dim=128,
-        )  # fmt: skip
+        return LlamaConfig(
+            hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=kv_heads, head_dim=128
+        )
 
     assert mla.kv_bytes_per_token(llama70b(64)) == 2 * 80 * 64 * 128 * 2 == 2_621_440, "MHA: every head has K and V"
     assert mla.kv_bytes_per_token(llama70b(8)) == 2 * 80 * 8 * 128 * 2 == 327_680, "GQA: Llama-3-70B's 8 KV heads"
     assert mla.kv_bytes_per_token(llama70b(1)) == 2 * 80 * 1 * 128 * 2 == 40_960, "MQA: one KV head"
     assert mla.kv_bytes_per_token(llama70b(8), dtype_bytes=4) == 655_360
-    qwen3_4b = SimpleNamespace(  # head_dim 128 although hidden_size / heads = 80: read config.head_dim
-        model_type="qwen3", hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-        head_dim=128,
-    )  # fmt: skip
+    # head_dim 128 although hidden_size / heads = 80: read config.head_dim
+    qwen3_4b = Qwen3Config(
+        hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128
+    )
     assert mla.kv_bytes_per_token(qwen3_4b) == 2 * 36 * 8 * 128 * 2 == 147_456, "Qwen3-4B: head_dim != hidden / heads"
 
-    lite = SimpleNamespace(**{**DEEPSEEK_V3, "num_hidden_layers": 27, "num_attention_heads": 16, "q_lora_rank": None})
+    lite = DeepseekV3Config(num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None)
     assert mla.kv_bytes_per_token(lite) == 27 * 576 * 2 == 31_104
     assert mla.expanded_bytes_per_token(lite, dtype_bytes=4) == 27 * 16 * 320 * 4 == 552_960

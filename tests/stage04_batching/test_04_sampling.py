@@ -41,6 +41,23 @@ def test_top_k_and_top_p_keep_exactly_their_support(impl, seed):
     assert sample(logits, _params(impl, temperature=0.0), gen) == order[0], f"seed={seed}: temperature 0 is argmax"
 
 
+@pytest.mark.parametrize(("top_p", "kept"), [(0.5, 1), (0.75, 2), (0.8, 3), (0.875, 3)])
+def test_top_p_keeps_the_smallest_set_that_reaches_it_exactly_at_the_boundary(impl, top_p, kept):
+    """Probabilities 1/2, 1/4, 1/8, 1/16, 1/16 (exact in float32 and float64, in a shuffled order): at top_p 0.75
+    the two most likely tokens already reach it, so the third, whose preceding mass equals top_p, is out (vLLM
+    keeps the smallest set whose mass reaches top_p); a `>` where `>=` belongs keeps it."""
+    sample = impl("stage04_batching.sampling").sample
+    probs = torch.tensor([0.0625, 0.25, 0.0625, 0.5, 0.125])
+    order = [3, 1, 4, 0, 2]  # most likely first
+    gen = torch.Generator().manual_seed(kept)
+    got = {sample(torch.log(probs), _params(impl, temperature=1.0, top_p=top_p), gen) for _ in range(300)}
+    assert got == set(order[:kept]), (
+        f"top_p={top_p} over probabilities {probs.tolist()}: the smallest set reaching it is tokens "
+        f"{order[:kept]} (mass {probs[order[:kept]].sum():.4g}); sampled {sorted(got)}"
+        + (": a token whose preceding mass already equals top_p is out" if len(got) > kept else "")
+    )
+
+
 @pytest.mark.parametrize("vocab", [6, 20])
 def test_each_knob_at_and_past_its_bounds_alone_and_combined(impl, vocab):
     """Clients send their own defaults whatever the model (top_k 40, 50, 100 or 1,000 against a small
