@@ -58,8 +58,10 @@ def split_kv_attention(
 
     Keys are cut into splits of `split` positions, [0, split), [split, 2 split), ..., whatever the batch.
     A sequence's rows are its n queries' n_rep = n_heads // n_kv_heads heads of each kv head, (n_kv, n * n_rep,
-    head_dim), query-major; its keys of all S splits are gathered at once as (n_kv, S, split, head_dim), so that
-    one batched product takes every (kv head, split) pair: rows @ (head_dim, split) for the scores, then
+    head_dim), query-major; its keys of all S splits are gathered at once into one contiguous (n_kv, S, split,
+    head_dim) tensor (a strided view can take another BLAS path), the block index clamped to the block table's
+    last column where a split reaches past it (those keys are masked), so that one batched product takes every
+    (kv head, split) pair: rows @ (head_dim, split) for the scores, then
     (rows, split) @ (split, head_dim) for the values. No product has fewer than `min_rows` rows (linear_padded's
     reason): sequences of `short` = ceil(min_rows / n_rep) queries or fewer (decodes) are batched together, each
     padded to `short` queries, and the longer chunks together, each padded to the longest of them (padding

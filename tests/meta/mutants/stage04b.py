@@ -467,4 +467,14 @@ MUTANTS = [
         replace="        rows, pos = first[group, None] + j, context_lens[group, None] - 1 + j * 0",
         bug="split_kv_attention gives every query of a chunk the chunk's last position (no causal mask inside it)",
     ),
+    dict(
+        file="batch_invariant.py",
+        find="""    gather = (slots[:, None, :] * n_kv + torch.arange(n_kv)[:, None]).flatten()
+    k = k_pool.view(-1, D).index_select(0, gather).view(G, n_kv, S, split, D)
+    v = v_pool.view(-1, D).index_select(0, gather).view(G, n_kv, S, split, D)""",
+        replace="""    b, o = tables[:, block], keys % block_size
+    k = k_pool[b, o].view(G, S, split, n_kv, D).permute(0, 3, 1, 2, 4)
+    v = v_pool[b, o].view(G, S, split, n_kv, D).permute(0, 3, 1, 2, 4)""",
+        bug="split_kv_attention leaves the gathered keys and values a non-contiguous view (a lone short decode takes another BLAS path)",
+    ),
 ]
