@@ -5,7 +5,7 @@ the same fields over CacheConfig and SchedulerConfig). Given code.
     EngineConfig.add_cli_args(parser)                                    # serve.py: the same fields as vLLM's flags
 
 Every part of the engine reads its setting from here: the block manager and the KV pool the block
-size and pool size, the scheduler the two batch limits, add_request and the server the context length.
+size and pool size (the pool its format too, kv_cache_dtype: part 3, kv_quant.py), the scheduler the two batch limits, add_request and the server the context length.
 """
 
 import argparse

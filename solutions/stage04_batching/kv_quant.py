@@ -84,7 +84,7 @@ def bytes_per_token(config: Config, kv_cache_dtype: str = "auto") -> int:
 
 
 class QuantizedKVCache(PagedKVCache):
-    """PagedKVCache's pools at one byte per element: quantized on write, widened to float32 on read. Given code.
+    """PagedKVCache's pools at one byte per element: quantized on write, widened to the model's dtype on read. Given code.
 
     k[layer], v[layer]:   (num_blocks, block_size, n_kv_heads, head_dim) float8_e4m3fn or int8
     int8:  k_scales[layer], v_scales[layer] (num_blocks, block_size, n_kv_heads) float32, one per token and head
@@ -92,10 +92,13 @@ class QuantizedKVCache(PagedKVCache):
            set them yourself before the first step to fix them, as a checkpoint's calibrated scales are)
     """
 
-    def __init__(self, config: Config, num_blocks: int, block_size: int, kv_cache_dtype: str, per_head: bool = True):
+    def __init__(
+        self, config: Config, num_blocks: int, block_size: int, kv_cache_dtype: str, per_head: bool = True, dtype=None
+    ):
         if kv_cache_dtype not in ("fp8_e4m3", "int8"):
             raise ValueError(f"QuantizedKVCache stores fp8_e4m3 or int8, not {kv_cache_dtype!r}")
         self.kv_cache_dtype, self.per_head = kv_cache_dtype, per_head
+        self.dtype = dtype or torch.float32  # the model's: what read() widens to
         L, shape = config.num_hidden_layers, (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         store = torch.float8_e4m3fn if kv_cache_dtype == "fp8_e4m3" else torch.int8
         self.k = [torch.zeros(shape, dtype=store) for _ in range(L)]
@@ -122,7 +125,7 @@ class QuantizedKVCache(PagedKVCache):
             pool[layer].view(-1, n_kv, d)[slot_mapping] = codes
 
     def read(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The blocks `block_tables` lists, dequantized to float32, and the tables renumbered into them:
+        """The blocks `block_tables` lists, dequantized (to the model's dtype), and the tables renumbered into them:
         paged_attention then runs on float32 as it does on the float32 pool. A fused kernel (vLLM's,
         FlashInfer's) widens each block in registers instead of through this copy."""
         used, tables = torch.unique(block_tables, return_inverse=True)
@@ -132,7 +135,7 @@ class QuantizedKVCache(PagedKVCache):
         else:
             k = dequantize(self.k[layer][used], self.k_scale[layer])
             v = dequantize(self.v[layer][used], self.v_scale[layer])
-        return k, v, tables
+        return k.to(self.dtype), v.to(self.dtype), tables
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy-on-write: the codes and, for int8, their scales."""
@@ -145,4 +148,4 @@ def make_cache(config: Config, num_blocks: int, block_size: int, kv_cache_dtype:
     """The engine's pool for `--kv-cache-dtype`: PagedKVCache in the model's dtype for auto, else QuantizedKVCache."""
     if kv_cache_dtype == "auto":
         return PagedKVCache(config, num_blocks, block_size, dtype)
-    return QuantizedKVCache(config, num_blocks, block_size, kv_cache_dtype)
+    return QuantizedKVCache(config, num_blocks, block_size, kv_cache_dtype, dtype=dtype)
