@@ -110,9 +110,9 @@ MUTANTS = [
     ),
     dict(
         file="pipeline/schedule.py",
-        find="            logits.append(out[0, -1])",
-        replace="            logits.append(out[0, 0])",
-        bug="run_microbatches keeps the first position's logits",
+        find="        T = len(prompts[j])\n",
+        replace="        T = len(prompts[0])\n",
+        bug="run_microbatches expects every micro-batch to be as long as the first",
     ),
     dict(
         file="pipeline/schedule.py",

@@ -1,4 +1,4 @@
-"""§1–§2 of lab7.ipynb: which positions each rank holds, and attention over one block of keys merged into a
+"""Splits and partial attention (lab7.ipynb §1–§2): which positions each rank holds, and attention over one block of keys merged into a
 running result by the online-softmax rescaling. References: the splits written out by their rule, and
 PyTorch's scaled_dot_product_attention over all the keys at once."""
 

@@ -1,4 +1,4 @@
-"""§3 and §5 of lab6.ipynb: the pipeline on real processes (gloo, 2 and 3 ranks): greedy decoding stage to
+"""The pipeline (lab6.ipynb §3 and §5) on real processes (gloo, 2 and 3 ranks): greedy decoding stage to
 stage equals Hugging Face's, micro-batches come out with HF's logits, the traffic is activations only, and a
 stage that dies or stalls is an error on its peers, not a hang. One process group per world size runs every
 check. References: HF LlamaForCausalLM (computed here, in the pytest process) and the hand count of the bytes."""
@@ -31,30 +31,50 @@ CONFIGS = {  # 4 and 5 layers, so 3 stages have a layer each to spare
 PROMPT_LENGTHS = (7, 10)  # micro-batches of other lengths too: (7, 10, 3, 8)
 
 
-def pipeline_checks(cases):
-    """Worker: build this rank's stage of each case, decode and run micro-batches; report per case."""
-    from pipeline_helpers import Traffic, weight_costs
+def _stages(cases):
+    """This rank's stage of each case (a partition balanced on the weights' costs)."""
+    from pipeline_helpers import weight_costs
 
     from labkit.impl import load
 
     partition = load("stage07_tensor_parallel.pipeline.partition")
     stage_mod = load("stage07_tensor_parallel.pipeline.stage")
-    generate = load("stage07_tensor_parallel.pipeline.generate")
-    schedule = load("stage07_tensor_parallel.pipeline.schedule")
-    rank, p, traffic, out = dist.get_rank(), dist.get_world_size(), Traffic(), {}
     for name, (config, state, prompt, micro) in cases.items():
-        res = out[name] = {}
+        model = Llama(config).eval()
+        model.load_state_dict(state, strict=False)  # a tied lm_head.weight is the embedding's
+        bounds = partition.balanced_partition(weight_costs(config), dist.get_world_size())
+        yield name, stage_mod.PipelineStage(model, bounds, dist.get_rank()), prompt, micro
+
+
+def greedy_checks(cases):
+    """Worker (§3): greedy decoding through this rank's stage of each case, and the traffic it made."""
+    from pipeline_helpers import Traffic
+
+    from labkit.impl import load
+
+    generate = load("stage07_tensor_parallel.pipeline.generate")
+    traffic, out = Traffic(), {}
+    for name, stage, prompt, _ in _stages(cases):
         try:
-            model = Llama(config).eval()
-            model.load_state_dict(state, strict=False)  # a tied lm_head.weight is the embedding's
-            bounds = partition.balanced_partition(weight_costs(config), p)
-            stage = stage_mod.PipelineStage(model, bounds, rank)
             traffic.reset()
-            res["tokens"] = generate.pipeline_generate(stage, prompt, NEW_TOKENS, timeout_s=30)
-            res["bytes"], res["collectives"] = dict(traffic.bytes), traffic.collectives()
+            tokens = generate.pipeline_generate(stage, prompt, NEW_TOKENS, timeout_s=30)
+            out[name] = dict(tokens=tokens, bytes=dict(traffic.bytes), collectives=traffic.collectives())
+            out[name]["layers"] = len(stage.layers)
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+def microbatch_checks(cases):
+    """Worker (§5): each case's micro-batches through this rank's stage, by the fill/drain schedule."""
+    from labkit.impl import load
+
+    schedule = load("stage07_tensor_parallel.pipeline.schedule")
+    out = {}
+    for name, stage, _, micro in _stages(cases):
+        try:
             run = schedule.run_microbatches(stage, micro, timeout_s=30)
-            res["micro_logits"], res["busy_s"], res["wall_s"] = run["logits"], run["busy_s"], run["wall_s"]
-            res["layers"] = len(stage.layers)
+            out[name] = dict(micro_logits=run["logits"], busy_s=run["busy_s"], wall_s=run["wall_s"])
         except Exception:
             out[name] = {"error": traceback.format_exc()}
     return out
@@ -76,14 +96,25 @@ def references():
     return cases, expected
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda p: f"pp{p}")
-def group(request, references):
+def _launch(worker, p, references):
     cases, expected = references
     try:
-        results = launch(pipeline_checks, request.param, cases, timeout=150)
+        results = launch(worker, p, cases, timeout=150)
     except (RankFailed, TimeoutError) as e:
         results = e
-    return request.param, results, expected
+    return p, results, expected
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda p: f"pp{p}")
+def group(request, references):
+    """(p, per-rank results of greedy_checks, HF references); the run's exception if the group failed."""
+    return _launch(greedy_checks, request.param, references)
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda p: f"pp{p}")
+def microbatch_group(request, references):
+    """(p, per-rank results of microbatch_checks, HF references)."""
+    return _launch(microbatch_checks, request.param, references)
 
 
 def _per_rank(group, name):
@@ -133,9 +164,9 @@ def test_pipeline_sends_activations_only(impl, group, name):
 
 
 @pytest.mark.parametrize("name", CONFIGS)
-def test_microbatches_give_hf_logits(impl, group, name):
-    p, _, expected = group
-    per_rank = _per_rank(group, name)
+def test_microbatches_give_hf_logits(impl, microbatch_group, name):
+    p, _, expected = microbatch_group
+    per_rank = _per_rank(microbatch_group, name)
     got, want = per_rank[-1]["micro_logits"], expected[name]["micro_logits"]
     assert len(got) == len(want), f"PP={p}: the last stage returned {len(got)} micro-batches' logits of {len(want)}"
     for j, (g, w) in enumerate(zip(got, want, strict=True)):
@@ -152,7 +183,7 @@ def test_microbatches_give_hf_logits(impl, group, name):
 
 def die_mid_pipeline(config, state, prompt, victim, how):
     """Worker: rank `victim` leaves after its second step (its process group torn down, as a crash closes its
-    sockets) or stalls for 6 s (the timeout is 3 s); the others must get labkit.distributed.PeerLost, not hang."""
+    sockets) or stalls for 5 s (the timeout is 3 s); the others must get labkit.distributed.PeerLost, not hang."""
     from pipeline_helpers import weight_costs
 
     from labkit.impl import load
@@ -173,7 +204,7 @@ def die_mid_pipeline(config, state, prompt, victim, how):
                 if how == "dies":
                     dist.destroy_process_group()
                     raise SystemExit("died")
-                time.sleep(6)
+                time.sleep(5)
             return forward(*args, **kwargs)
 
         s.forward = dying
