@@ -15,8 +15,8 @@ was taken, which is what lets it predict a feature far better than a head predic
 
 The embedding and LM head rows are the target's (frozen, not saved); fc and the layer are the
 weights (`python -m labkit.train --only eagle` trains SmolLM2's, in labkit/assets/smollm2-eagle).
-Stage 06 part 2 writes the cached draft step and the drafting loop; `forward` here is the
-teacher-forced pass that training uses, over whole sequences at once.
+Stage 06 part 2 writes the cached draft step and the drafting loop; `forward` here is only the
+teacher-forced pass that training uses, over whole sequences at once, with no cache.
 """
 
 import dataclasses
@@ -57,17 +57,14 @@ class EagleHead(nn.Module):
         p = self.fc.weight
         return KVCache(self.config, 1, max_seq_len, p.dtype, p.device)
 
-    def forward(self, feats: torch.Tensor, next_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """feats (B, T, H) at positions start .. start + T - 1 (start = the cache's length, or 0), next_ids
-        (B, T) the tokens after them -> (B, T, H) the predicted features one position on. With a
-        cache, the T new keys are written after its prefix and its length grows by T."""
-        T, start = feats.shape[1], cache.length if cache is not None else 0
+    def forward(self, feats: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+        """feats (B, T, H) at positions 0 .. T - 1, next_ids (B, T) the tokens after them -> (B, T, H) the predicted
+        features one position on: the teacher-forced pass over whole sequences that training uses, without a
+        cache. Drafting one position at a time after a cached prefix is stage 06's draft_forward (lab4 §2)."""
+        T = feats.shape[1]
         x = self.fc(torch.cat([feats, self.embed(next_ids)], dim=-1))
-        cos, sin = self.target[0].rope(start, T)
-        x = self.layer(x, cos, sin, causal_mask(start, T), cache, 0)
-        if cache is not None:
-            cache.length += T
-        return x
+        cos, sin = self.target[0].rope(0, T)
+        return self.layer(x, cos, sin, causal_mask(0, T), None, 0)
 
 
 def attach(target: Llama, vocab: torch.Tensor, seed: int = 0) -> EagleHead:

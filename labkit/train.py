@@ -251,11 +251,10 @@ def eagle_acceptance(head: eagle.EagleHead, rows, k: int = 4, stride: int = 8) -
     accepted drafts per verification (+ 1 for the target's bonus token is tokens per verification)."""
     right, tried, accepted, rounds = [0] * k, [0] * k, 0, 0
     for ids, feats, answer in rows:
-        cache = head.new_cache(len(ids) + k)
-        pred = head(feats[None], ids[None, 1:], cache)[0]  # pred[t - 1] = f^_t from true features
-        for t in range(len(ids) - k - 1, answer - 1, -stride):  # backwards: the cache keeps positions < t intact
-            cache.truncate(t)
+        pred = head(feats[None], ids[None, 1:])[0]  # pred[t - 1] = f^_t from true features
+        for t in range(len(ids) - k - 1, answer - 1, -stride):
             f, n = pred[t - 1], 0
+            seen_feats, seen_ids = feats[:t], ids[1 : t + 1]  # true features before t, the tokens after them
             for j in range(k):
                 token = int(head.vocab[(f @ head.lm_head_weight.T).argmax()])
                 tried[j] += 1
@@ -263,7 +262,9 @@ def eagle_acceptance(head: eagle.EagleHead, rows, k: int = 4, stride: int = 8) -
                     break
                 right[j] += 1
                 n += 1
-                f = head(f[None, None], torch.tensor([[token]]), cache)[0, 0]
+                # the draft's next step reads its own feature: the whole prefix again (the head has no cache)
+                seen_feats, seen_ids = torch.cat([seen_feats, f[None]]), torch.cat([seen_ids, torch.tensor([token])])
+                f = head(seen_feats[None], seen_ids[None])[0, -1]
             accepted, rounds = accepted + n, rounds + 1
     return acceptance_report(right, tried, accepted, rounds)
 
