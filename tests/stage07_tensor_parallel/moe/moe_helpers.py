@@ -3,9 +3,6 @@ of lab8's tests. Each config varies what real checkpoints vary (expert counts, k
 norm_topk_prob; for DeepSeek-V3 also n_group/topk_group, the shared experts and routed_scaling_factor)."""
 
 import torch
-from transformers import DeepseekV3Config, Qwen3MoeConfig
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 # (num_experts, k, hidden, moe_intermediate, norm_topk_prob); k = E is every expert on every token
 QWEN3_CONFIGS = {
@@ -38,15 +35,24 @@ def _randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def qwen3_moe(name: str, seed: int) -> torch.nn.Module:
+    # imported here: the expert-parallel workers import this file, and transformers costs seconds a process
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
     E, k, D, I, norm = QWEN3_CONFIGS[name]
     c = Qwen3MoeConfig(
         hidden_size=D, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=k, norm_topk_prob=norm
     )
     c._experts_implementation = "eager"  # the standalone module has no model to pick it
-    return _randomize(Qwen3MoeSparseMoeBlock(c), seed)
+    block = Qwen3MoeSparseMoeBlock(c)
+    block.config = c  # DeepseekV3MoE keeps its config; this block does not, and block_args reads it
+    return _randomize(block, seed)
 
 
 def deepseek_v3_moe(name: str, seed: int) -> torch.nn.Module:
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
     E, k, n_group, topk_group, shared, norm, scale, D, I = DEEPSEEK_CONFIGS[name]
     c = DeepseekV3Config(
         hidden_size=D, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=k, n_group=n_group,
@@ -83,3 +89,19 @@ def gshard_keep(idx: torch.Tensor, num_experts: int, capacity: int) -> torch.Ten
             if used[e] < capacity:
                 keep[t, j], used[e] = True, used[e] + 1
     return keep
+
+
+def block_args(hf) -> dict:
+    """MoEBlock's constructor arguments for a transformers module, read from its config (not from the code under test)."""
+    c = hf.config
+    if hasattr(hf, "shared_experts"):
+        return dict(
+            hidden_size=c.hidden_size, moe_intermediate_size=c.moe_intermediate_size, num_experts=c.n_routed_experts,
+            k=c.num_experts_per_tok, routing="group_limited", norm_topk_prob=c.norm_topk_prob, n_group=c.n_group,
+            topk_group=c.topk_group, routed_scaling_factor=c.routed_scaling_factor,
+            shared_intermediate_size=c.moe_intermediate_size * c.n_shared_experts,
+        )  # fmt: skip
+    return dict(
+        hidden_size=c.hidden_size, moe_intermediate_size=c.moe_intermediate_size, num_experts=c.num_experts,
+        k=c.num_experts_per_tok, routing="softmax", norm_topk_prob=c.norm_topk_prob,
+    )  # fmt: skip
