@@ -160,7 +160,7 @@ def todo_report(todos: list[dict], tests: list[dict], cases: dict[str, dict], fo
         if first := (failed or waiting)[:1]:  # the learner's own failure first; else where the wait shows
             line |= {"test": first[0]["test"].rsplit("::", 1)[-1], "message": first[0]["message"]}
         if waiting:
-            blockers = sorted({waiting_label(c) for c in waiting})
+            blockers = sorted({waiting_label(c, t["section"][0]) for c in waiting})
             line["waiting_on"] = ", ".join(blockers)
         lines.append(line)
     return lines
@@ -172,10 +172,14 @@ def waiting_on(case: dict) -> str | None:
     return m.group(1) if m and case["outcome"] == "failed" else None
 
 
-def waiting_label(case: dict) -> str:
-    """§4 Scheduler.schedule, lab2 §1 Radix.insert: the TODO a failure waits on, as the report names it."""
+def waiting_label(case: dict, notebook: int | None = None) -> str:
+    """§4 Scheduler.schedule, lab2 §1 Radix.insert: the TODO a failure waits on, as the report names it. Waited on
+    from another notebook's TODO (`notebook`), it names its own file: lab4's line reads "lab.ipynb §5 warp", not
+    "§5 warp", which would read as lab4's §5."""
     m = todo.NAME.search(case["todo"])
-    return f"{section_name((int(m.group(2)[3:] or 1), int(m.group(3))))} {m.group(1)}"
+    nb, k = int(m.group(2)[3:] or 1), int(m.group(3))
+    where = section_name((nb, k)) if notebook in (None, nb) else f"lab{'' if nb == 1 else nb}.ipynb §{k}"
+    return f"{where} {m.group(1)}"
 
 
 def _read(path: Path) -> str:
@@ -364,6 +368,8 @@ def grade_row(course: Path, number: str, tests: list[dict], env: dict, timeout: 
         "seconds": round(ended["seconds"], 1),
         "todos": lines,
         "failures": [{"test": c["test"], "message": c["message"]} for c in graded if c["outcome"] == "failed"],
+        # what the skipped tests need (labkit.grading.outcomes: "needs llguidance (make guided)", a GPU)
+        "skipped_because": sorted({c["message"] for c in cases if c["outcome"] == "skipped" and c["message"]}),
     }
 
 
@@ -447,6 +453,8 @@ def print_table(rows: list[dict], verbose: bool, learner: bool = True) -> None:
             print(f"{'':<4}{_todo_line(line)}")
             for text in line.get("message", "").splitlines()[: 12 if line is _first_failing(r) else 4]:
                 print(f"{'':<14}{text[:150]}")
+        for why in r.get("skipped_because", []) if verbose else []:
+            print(f"{'':<4}skipped, not graded: {why[:150]}")
         if r["hint"] and r["status"] != "complete":
             first, *rest = r["hint"].splitlines()
             print(f"{'':<{4 if verbose else 30}}↳ next: {first[:150]}")

@@ -465,6 +465,8 @@ def test_a_missing_optional_package_is_reported_as_needed_not_as_the_learners_fa
     write_learner(course, SOLUTION)
     (row,) = rows(course)
     assert (row["status"], row["passed"], row["total"], row["skipped"]) == ("complete", 2, 2, 3), row
+    want = "needs labkit_absent_package (pip install labkit_absent_package); not graded"
+    assert row["skipped_because"] == [want], row["skipped_because"]  # make grade STAGE=NN prints it
     records = toy_records(course)
     for name in ("test_needs_a_package_in_the_test", "test_needs_a_package_in_a_fixture", "test_needs_it_too"):
         assert records[name]["outcome"] == "skipped", records[name]
@@ -479,6 +481,16 @@ def test_the_make_targets_of_the_optional_packages_are_named():
     makefile = (ROOT / "Makefile").read_text()
     for target in set(OPTIONAL.values()):
         assert re.search(rf"^{target.split()[1]}:", makefile, re.M), f"the Makefile has no {target!r}"
+
+
+def test_waiting_on_a_todo_of_another_notebook_names_that_notebook():
+    """lab4's TODO waiting on lab.ipynb §5's warp reads "lab.ipynb §5 warp", not "§5 warp" (lab4's own §5?)."""
+    case = {"todo": "stage06: warp — see lab.ipynb §5", "outcome": "failed"}
+    assert grade.waiting_label(case, 4) == "lab.ipynb §5 warp"
+    assert grade.waiting_label(case, 1) == grade.waiting_label(case) == "§5 warp"
+    other = {"todo": "stage06: verify_batch — see lab2.ipynb §2", "outcome": "failed"}
+    assert grade.waiting_label(other, 4) == "lab2.ipynb §2 verify_batch"
+    assert grade.waiting_label(other, 2) == "lab2 §2 verify_batch"
 
 
 def test_a_skip_raised_by_the_learners_code_still_fails(course):
