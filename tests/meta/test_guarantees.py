@@ -202,9 +202,11 @@ def test_test_files_are_named_test_NN_topic(folder):
     bad = [
         p.name
         for p in todo.stage_files(ROOT / "tests" / folder, "test_*.py")
-        if not re.match(rf"test_{nn}b?_\w+\.py$", p.name)
+        if not re.match(rf"test_{nn}[b-z]?_\w+\.py$", p.name)
     ]
-    assert not bad, f"tests/{folder}: rename {bad} to test_{nn}_<topic>.py (part 2: test_{nn}b_<topic>.py)"
+    assert not bad, (
+        f"tests/{folder}: rename {bad} to test_{nn}_<topic>.py (a later part's row: test_{nn}b_<topic>.py, 04c, ...)"
+    )
 
 
 @pytest.mark.parametrize("folder, notebook", NOTEBOOKS)
