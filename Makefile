@@ -55,10 +55,24 @@ bench: setup $(if $(filter 03b decode,$(STAGE)),llamacpp) $(if $(filter 04b_guid
 	@test -n "$(STAGE)" || { echo "usage: make bench STAGE=02"; exit 2; }
 	LABS_IMPL=$(IMPL) $(PY) -m labkit.bench $(STAGE) $(if $(QUICK),--quick)
 
-## make llamacpp: the optional llama.cpp build (llama-cpp-python, CPU) that stage 03b's and the decode benchmark run GGUF files in
+## make llamacpp [PORTABLE=1]: the optional llama.cpp build (llama-cpp-python, CPU) that stage 03b's and the decode
+## benchmark run GGUF files in; built natively (GGML_NATIVE=ON: every instruction this CPU has, as a plain
+## `pip install llama-cpp-python` builds), or with PORTABLE=1 for any x86-64 (GGML_NATIVE=OFF). .venv/.llamacpp-build
+## records which build is installed (kind, CMake flags, version, vendored llama.cpp commit); asking for the other
+## kind rebuilds it (pip alone would keep the installed one, and its wheel cache would hand back the old build)
 llamacpp: setup
-	@$(PY) -c "import llama_cpp" 2>/dev/null || { echo "building llama.cpp from source (about 4 minutes on 2 idle cores)"; \
-	  CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF" $(PY) -m pip install -q --disable-pip-version-check -r requirements-llamacpp.txt; }
+	@kind=$(if $(PORTABLE),portable,native); flags="-DGGML_NATIVE=$(if $(PORTABLE),OFF,ON) -DLLAMA_CURL=OFF -DLLAVA_BUILD=OFF"; \
+	if $(PY) -c "import llama_cpp" 2>/dev/null && grep -qs "\"kind\": \"$$kind\"" .venv/.llamacpp-build; then exit 0; fi; \
+	echo "building llama.cpp from source, $$kind ($$flags): about 4 minutes on 2 idle cores"; \
+	src=.venv/llamacpp-sdist; version=$$(sed -n 's/^llama-cpp-python==//p' requirements-llamacpp.txt); \
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps --no-binary llama-cpp-python -d $$src \
+	  "llama-cpp-python==$$version" || exit 1; \
+	sdist=$$src/llama_cpp_python-$$version.tar.gz; \
+	commit=$$(tar xzf $$sdist -O llama_cpp_python-$$version/.git/modules/vendor/llama.cpp/HEAD 2>/dev/null || echo unknown); \
+	CMAKE_ARGS="$$flags" $(PY) -m pip install -q --disable-pip-version-check --no-cache-dir --force-reinstall --no-deps \
+	  $$sdist && $(PY) -m pip install -q --disable-pip-version-check -r requirements-llamacpp.txt || exit 1; \
+	printf '{"kind": "%s", "cmake_args": "%s", "version": "%s", "vendored_llama_cpp_commit": "%s"}\n' \
+	  "$$kind" "$$flags" "$$version" "$$commit" > .venv/.llamacpp-build
 
 ## make guided: the optional llguidance and XGrammar wheels that stage 04b's guided-decoding benchmark runs beside the
 ## course's masks (--no-deps: what they need is already in requirements.txt, and pip must not fetch a CUDA torch)

@@ -14,13 +14,16 @@ row() returns {"floor ms": ..., "vs floor": measured / floor} (with both bytes a
 floor: the step is bound by whichever is slower). figures() is the two measured rates, for the JSON.
 
 Both rates are measured with the threads torch has when first asked (pin_threads first) and cached for
-the process: bandwidth as the faster of a copy of COPY_MB between two fresh buffers (bytes read + written
-per second) and a sum over one (bytes read per second), on 2 MB pages: the rate a streaming kernel can
+the process: bandwidth as the fastest of a copy of COPY_MB between two fresh buffers (bytes read + written
+per second), a sum over one (bytes read per second) and, past one thread, each thread summing its own
+slice at once (both reading the whole time, as two decode loops do), on 2 MB pages: the rate a streaming kernel can
 reach (on 4 kB pages this VM's copy reached two thirds of it, which labkit.cpu_kernels' read-only loops
 on huge pages beat; JSONs written before 2026-11-28 hold that copy rate),
-GEMM rate as a GEMM_N-square float32 matmul (2 n^3 FLOPs).
+GEMM rate as a GEMM_N-square float32 matmul (2 n^3 FLOPs); each the fastest of REPEATS calls (JSONs
+written before 2026-12-06 hold the median of 5, and one thread summing for the two-thread rate).
 """
 
+import concurrent.futures
 import functools
 
 import torch
@@ -30,18 +33,43 @@ from ..timing import measure
 
 COPY_MB = 512
 GEMM_N = 1024
+REPEATS = 10
 
 
 @functools.cache
-def _rates(threads: int) -> tuple[float, float]:
+def _rates(threads: int) -> tuple[float, float, dict]:
     # two buffers, not one: halves of one buffer exactly COPY_MB apart alias in the caches (21 vs 26 GB/s here)
     (src,), (dst,) = huge_pages([torch.ones(COPY_MB * 2**20 // 4)]), huge_pages([torch.zeros(COPY_MB * 2**20 // 4)])
-    copy = 2 * src.numel() * 4 / measure(lambda: dst.copy_(src), repeats=5).median
-    read = src.numel() * 4 / measure(lambda: src.sum(), repeats=5).median
-    bandwidth = max(copy, read)  # a decode step only reads: here a read streams faster than a copy's read + write
+    # the fastest call, not the median: a floor is the best this machine did, and a shared machine's other
+    # work slows some calls (a median under load gave a floor that a quieter step then beat)
+    copy = 2 * src.numel() * 4 / measure(lambda: dst.copy_(src), repeats=REPEATS).min
+    read = src.numel() * 4 / measure(lambda: src.sum(), repeats=REPEATS).min
+    ways = {"copy": copy, "sum": read, "a sum per thread": _parallel_read(src, threads)}
+    bandwidth = max(ways.values())  # a decode step only reads: here a read streams faster than a copy
     a, b = torch.randn(GEMM_N, GEMM_N), torch.randn(GEMM_N, GEMM_N)
-    flops = 2 * GEMM_N**3 / measure(lambda: a @ b, repeats=5, warmup=2).median
-    return bandwidth, flops
+    flops = 2 * GEMM_N**3 / measure(lambda: a @ b, repeats=REPEATS, warmup=2).min
+    return bandwidth, flops, {way: round(r / 1e9, 2) for way, r in ways.items() if r}
+
+
+def _parallel_read(src: torch.Tensor, threads: int) -> float:
+    """Bytes per second with `threads` threads each summing its own slice of src at once, one torch thread
+    each: every thread reading for the whole time, as two decode loops over halves of the rows do. torch's
+    own src.sum() on two threads can trail that (a reduction's split and combine), and a floor under what
+    two loops reach is no floor."""
+    if threads < 2:
+        return 0.0
+    parts = src.chunk(threads)
+    was = torch.get_num_threads()
+    torch.set_num_threads(1)  # each Python thread's sum runs on itself; ops release the GIL
+    try:
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+
+            def both() -> None:
+                list(pool.map(torch.sum, parts))
+
+            return src.numel() * 4 / measure(both, repeats=REPEATS).min
+    finally:
+        torch.set_num_threads(was)
 
 
 def bandwidth() -> float:
@@ -69,7 +97,7 @@ def row(seconds: float, bytes: float = 0, flops: float = 0, name: str = "") -> d
 def figures() -> dict:
     """The measured rates, for a benchmark's JSON figures."""
     return {"floor_read_GBps": round(bandwidth() / 1e9, 2), "floor_gemm_GFLOPs": round(gemm_rate() / 1e9, 1),
-            "floor_threads": torch.get_num_threads()}  # fmt: skip
+            "floor_threads": torch.get_num_threads(), "floor_read_GBps_by_way": _rates(torch.get_num_threads())[2]}  # fmt: skip
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
