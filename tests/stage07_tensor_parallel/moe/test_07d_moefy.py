@@ -42,6 +42,23 @@ def test_balanced_clusters_recover_planted_groups(impl, neurons, experts, dim):
     )
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_balanced_clusters_place_the_closest_rows_first(impl, seed):
+    """6 rows at 0°, 2 at 20°, 4 at 90° (shuffled), experts of 6: the 0° expert keeps its 6 closest rows,
+    so the two 20° rows, not two of the 0° ones, go to the 90° expert."""
+    mod = impl(MODULE)
+    angles = torch.tensor([0.0] * 6 + [20.0] * 2 + [90.0] * 4).deg2rad()
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.cat([angles.cos()[:, None], angles.sin()[:, None], 0.02 * torch.randn(12, 4, generator=g)], 1)
+    perm = torch.randperm(12, generator=g)
+    labels = torch.empty(12, dtype=torch.long)
+    labels[perm] = mod.balanced_clusters(rows[perm], 2, seed=seed)  # back in the order above
+    assert len(set(labels[:6].tolist())) == 1 and set(labels[6:].tolist()) == {1 - int(labels[0])}, (
+        f"seed={seed}: experts by row (0° x6, 20° x2, 90° x4) {labels.tolist()}: a full expert must accept "
+        "its closest proposers, not the first ones"
+    )
+
+
 @pytest.mark.parametrize("neurons,experts", [(96, 4), (120, 8)])
 def test_balanced_clusters_beat_a_random_partition(impl, neurons, experts):
     mod = impl(MODULE)
