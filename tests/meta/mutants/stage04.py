@@ -576,4 +576,10 @@ MUTANTS = [
         replace="kth = torch.topk(logits, min(params.top_k, logits.numel() - 1)).values[-1]",
         bug="sample clamps a top_k past the vocabulary to V - 1, dropping the least likely token",
     ),
+    dict(
+        file="sampling.py",
+        find="outside = torch.cumsum(probs, -1) - probs >= params.top_p",
+        replace="outside = torch.cumsum(probs, -1) - probs > params.top_p",
+        bug="top-p keeps a token whose preceding mass already equals top_p (> for >=: not the smallest set)",
+    ),
 ]
