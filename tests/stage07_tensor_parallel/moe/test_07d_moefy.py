@@ -110,6 +110,7 @@ def test_moefied_llama_with_every_expert_equals_hf(impl, experts):
     )
 
 
+@pytest.mark.in_process("the test replaces the MoEfied model's routers in place, then runs it")
 def test_fitted_router_beats_a_random_router(impl):
     mod, hf, model = _moefied(impl, SEED, 8, 3)
     ids = random_tokens(SEED + 2, 33, hf.config.vocab_size, batch=2)
