@@ -13,6 +13,9 @@ import dataclasses
 from dataclasses import dataclass
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")  # vLLM's --kv-cache-dtype names (kv_quant.py stores the last two)
+KERNELS = ("cpp", "torch")  # the linear layers' loops: labkit.cpu_kernels (labkit/fast_paged.py) or PyTorch's
+QUANTIZATIONS = ("none", "q8_0", "q4_1")  # the weights' format, GGUF's type names (none: the model's float32)
+CHOICES = {"kv_cache_dtype": KV_CACHE_DTYPES, "kernels": KERNELS, "quantization": QUANTIZATIONS}
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     batch_invariant: bool = False  # a token's logits independent of its batch, bit for bit (batch_invariant.py); slower
     kv_cache_dtype: str = "auto"  # the KV pool's format (kv_quant.py): auto (the model's), fp8_e4m3 or int8
+    kernels: str = "cpp"  # the linear layers through labkit.cpu_kernels (PyTorch's where they cannot build)
+    quantization: str = "none"  # q8_0 or q4_1: the weights in llama.cpp's blocks of 32, through the same kernels
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):
@@ -37,6 +42,9 @@ class EngineConfig:
             )
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        for name, choices in (("kernels", KERNELS), ("quantization", QUANTIZATIONS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         if self.batch_invariant and self.kv_cache_dtype != "auto":
             raise ValueError(
                 f"batch_invariant reads the float pool only; kv_cache_dtype={self.kv_cache_dtype!r} needs it off"
@@ -75,9 +83,9 @@ class EngineConfig:
                 flags.append("--num-gpu-blocks-override")
             if f.type == "bool" or f.type is bool:
                 group.add_argument(*flags, dest=f.name, default=f.default, action=argparse.BooleanOptionalAction)
-            elif f.name == "kv_cache_dtype":
+            elif f.name in CHOICES:
                 group.add_argument(
-                    *flags, dest=f.name, choices=KV_CACHE_DTYPES, default=f.default, help="default: auto"
+                    *flags, dest=f.name, choices=CHOICES[f.name], default=f.default, help=f"default: {f.default}"
                 )
             else:
                 group.add_argument(*flags, dest=f.name, type=int, default=f.default, help=f"default: {f.default}")

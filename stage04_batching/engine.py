@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit.fast_paged import accelerate
 from labkit.model import Llama, apply_rope, refuse_extras
 from labkit.serving import check_request
 
@@ -173,7 +174,8 @@ class LLMEngine:
         """model: labkit Llama (eval); tokenizer: a `tokenizers.Tokenizer`, needed for str prompts and text.
         config: the engine's settings (config.py); keyword settings override fields of it (num_blocks=64)."""
         self.config = c = (config or EngineConfig()).replace(**settings)
-        self.model = model.eval()
+        # the same model, its linear layers through labkit.cpu_kernels (fast_paged.py): config.kernels, quantization
+        self.model = accelerate(model.eval(), c.kernels, None if c.quantization == "none" else c.quantization)
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
         self.cache = make_cache(
@@ -489,7 +491,7 @@ class LLMEngine:
         elif len(seq.output_token_ids) >= p.max_tokens:
             reason = "length"
         if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(seq.output_token_ids)
+            self._detokenize(seq, final=reason is not None)
             cut = find_stop(seq.text, p.stop)
             if cut is not None:
                 seq.text, reason = seq.text[:cut], "stop"
@@ -500,6 +502,21 @@ class LLMEngine:
         end = len(seq.text) if reason else safe_length(seq.text, p.stop)
         delta, seq.num_sent_chars = seq.text[seq.num_sent_chars : end], max(end, seq.num_sent_chars)
         return self._output(seq, delta, reason)
+
+    def _detokenize(self, seq: Sequence, final: bool) -> None:
+        """Append the new token's text to seq.text, decoding only the last few tokens (vLLM's incremental
+        detokenizer: decoding the whole output every token cost O(length) a token). Tokens [a, b) were decoded
+        already and give the new ones their context (a leading space, a byte-level character's first bytes);
+        text is held back while it ends in an incomplete UTF-8 character, and the final token decodes it all."""
+        ids = seq.output_token_ids
+        if final:
+            seq.text = self.tokenizer.decode(ids)
+            return
+        a, b = seq.detok_offsets
+        before, now = self.tokenizer.decode(ids[a:b]), self.tokenizer.decode(ids[a:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            seq.text += now[len(before) :]
+            seq.detok_offsets = (b, len(ids))
 
     def _output(self, seq: Sequence, delta: str, reason: str | None, error: str | None = None) -> RequestOutput:
         return RequestOutput(

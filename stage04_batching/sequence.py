@@ -73,6 +73,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text = ""  # detokenized output, cut at a stop string
         self.num_sent_chars = 0  # how much of `text` has been streamed
+        self.detok_offsets = (0, 0)  # output tokens [a, b): the context the next token's text is decoded with
         self.guide = None  # structured.Guide of a guided_regex request, set by the engine
         self.index = index  # which of the request's n samples (n > 1), each seeded seed + index as vLLM does
         seed = params.seed if params.seed is None or not index else (params.seed + index) % 2**64

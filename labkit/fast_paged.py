@@ -1,0 +1,121 @@
+"""The engine's linear layers through labkit.cpu_kernels: the same forward, its matrix products streamed.
+
+Stage 04's forward_paged runs labkit.model's nn.Linear modules: PyTorch's BLAS, which at a few rows (a
+decode step of a few chats) reads each weight matrix at a fraction of the bandwidth that
+labkit.cpu_kernels' loops reach (fast_decode.py says why). This module gives an engine a copy of the
+model whose linear layers (the LM head included) call those loops; every other module and tensor is
+the model's own, shared, and the learner's code (paged attention, the KV pool, the scheduler, sampling)
+runs exactly as before, so a learner's finished engine gets the same speed.
+
+    fast = accelerate(model, kernels="cpp", quantization="q8_0")   # a new Llama; model is untouched
+    logits = fast(ids)                                             # or stage 04's forward_paged(fast, ...)
+
+- kernels="cpp": a pass of at most CPP_MAX_ROWS rows (decodes, short chunks) goes through the packed
+  float32 matrix-vector loop, which reads each weight once for all its rows; a longer pass (a prefill
+  chunk) through PyTorch's GEMM, which is compute-bound there and faster. kernels="torch" returns the
+  model itself. Where the kernels cannot be built (no compiler, no AVX2) "cpp" falls back to "torch".
+- quantization="q8_0" / "q4_1" (GGUF's type names): every matrix quantized once to llama.cpp's blocks of
+  32, and every pass, long or short, runs the integer loops (the float weights stay in the model).
+- The per-row summation order of every loop depends on neither the number of rows nor the thread split,
+  so a row gets the same bits in any batch that takes the same path.
+"""
+
+import copy
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import cpu_kernels
+from .model import Llama
+
+KERNELS = ("cpp", "torch")
+QUANTIZATIONS = ("q8_0", "q4_1")  # GGUF's names for the int8 and 4-bit blocks cpu_kernels reads
+CPP_MAX_ROWS = 16  # passes of more rows take PyTorch's GEMM (float32 only): the two cross near 24 rows here
+_PACKED: dict[int, dict] = {}  # id(weight) -> {(quantization, its version): packed}, while the weight lives
+
+
+class PackedLinear(nn.Linear):
+    """An nn.Linear (same weight and bias, shared) whose product runs labkit.cpu_kernels' loops.
+
+    Still an nn.Linear, so code that wraps linear layers (stage 04's LoRA) wraps this one the same way."""
+
+    def __init__(self, base: nn.Linear, ops, quantization: str | None, max_rows: int):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self._forward_hooks, self._forward_pre_hooks = base._forward_hooks, base._forward_pre_hooks
+        self.quantization, self.max_rows = quantization, max_rows
+        self.op = getattr(ops, f"{quantization or 'f32'}_matvec")
+        if id(base.weight) not in _PACKED:  # engines built on one model share its packing
+            _PACKED[id(base.weight)] = {}
+            weakref.finalize(base.weight, _PACKED.pop, id(base.weight), None)
+        packs = _PACKED[id(base.weight)]
+        key = (quantization, base.weight._version)  # an in-place change of the weight packs it again
+        if key not in packs:
+            for stale in [k for k in packs if k[1] != key[1]]:
+                del packs[stale]
+            w = base.weight.detach()
+            packs[key] = {None: lambda: (cpu_kernels.pack_f32(w),), "q8_0": lambda: cpu_kernels.quantize_q8_0(w),
+                          "q4_1": lambda: cpu_kernels.quantize_q4_1(w)}[quantization]()  # fmt: skip
+        self.packed = packs[key]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if self.quantization is None and len(flat) > self.max_rows:
+            return F.linear(x, self.weight, self.bias)
+        y = self.op(flat.float(), *self.packed)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], -1).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, quantization={self.quantization or 'f32'}"
+
+
+def fits(linear: nn.Linear, quantization: str | None) -> bool:
+    """Whether the kernels take this matrix: float32, inputs a multiple of 32 (quantized) or 8, outputs of 4."""
+    out, inp = linear.weight.shape
+    block = cpu_kernels.BLOCK if quantization else 8
+    return (
+        linear.weight.dtype == torch.float32
+        and linear.weight.device.type == "cpu"
+        and inp % block == 0
+        and out % 4 == 0
+    )
+
+
+def accelerate(model: Llama, kernels: str = "cpp", quantization: str | None = None,
+               max_rows: int = CPP_MAX_ROWS) -> Llama:  # fmt: skip
+    """A Llama sharing every parameter of `model` whose linear layers run labkit.cpu_kernels (see the module
+    docstring); `model` itself is left as it was. kernels="torch" without quantization returns `model`."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels={kernels!r}; choose one of {KERNELS}")
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"quantization={quantization!r}; choose one of {QUANTIZATIONS} (or None for float32)")
+    ops = cpu_kernels.ops() if kernels == "cpp" or quantization else None
+    if ops is None:
+        if quantization:
+            raise ValueError(f"quantization={quantization!r} runs labkit.cpu_kernels, which cannot be built here")
+        return model
+    packed: dict[int, PackedLinear] = {}
+
+    def rebuilt(module: nn.Module) -> nn.Module:
+        """A shallow copy of `module` (its tensors and hooks shared) on the way to a linear layer; the rest shared."""
+        if type(module) is nn.Linear and fits(module, quantization):
+            if id(module) not in packed:
+                packed[id(module)] = PackedLinear(module, ops, quantization, max_rows)
+            return packed[id(module)]
+        if not any(type(m) is nn.Linear for m in module.modules()):
+            return module
+        new = copy.copy(module)
+        new._modules = {name: child and rebuilt(child) for name, child in module._modules.items()}
+        return new
+
+    fast = rebuilt(model)
+    # every packed matrix in one buffer on 2 MB pages, once per packing: a third more bandwidth here
+    fresh = [lay for lay in packed.values() if lay.packed[0].storage_offset() == 0]
+    for layer, copies in zip(fresh, cpu_kernels.huge_pages([lay.packed for lay in fresh]), strict=True):
+        layer.packed = _PACKED[id(layer.weight)][(layer.quantization, layer.weight._version)] = copies
+    return fast
