@@ -11,20 +11,27 @@ A. Capacity: one fixed pool (POOL_MIB), sized in blocks for each format (kv_quan
    floor (stage04.workload_floor).
 B. Long-context decode: one sequence at 1k, 2k and 4k cached tokens (random keys and values written through
    cache.write: a decode step's time does not depend on what the values are), one decode step of forward_paged,
-   median of repeats; its floor reads the weights and the pool's bytes for that context (1 byte an element, plus
-   int8's scales). Also the attention alone (every layer's cache.read + paged_attention) against the bytes of K/V.
+   the three formats in turn, median of repeats; its floor reads the weights and the pool's bytes for that context
+   (1 byte an element, plus int8's scales). Also the attention alone (every layer's cache.read + paged_attention)
+   against the bytes of K/V.
 C. The quality gate (labkit.quality.deploy_gate, stage 03's bounds) through the engine: forward_paged over
    held-out windows, every key and value read back from the pool, against the float32 pool's logits:
    perplexity, top-1 agreement and mean KL per token. fp8's scales are fixed first by a short chat prompt
-   (a server's first request); per head (the engine's) and per tensor (vLLM's default layout).
+   (a server's first request); per head (the engine's) and per tensor (vLLM's default layout). The engine serves
+   float32 weights only, so weight formats enter as llama.cpp's Q8_0 / Q4_1 grids rounded into float32 copies
+   (rounded_weights): the quality such weights give, not their speed or memory. The course's SmolLM2 is converted
+   from a Q4_1 GGUF (MODELS.md), so Q4_1 reproduces its weights exactly: a check that the path is lossless.
 """
 
+import copy
+import dataclasses
 import statistics
+import textwrap
 import time
 
 import torch
 
-from labkit import bench, plot, quality
+from labkit import bench, cpu_kernels, plot, quality
 from labkit.bench import floors
 from labkit.checkpoint import load_tokenizer, require_real_model
 from labkit.device import pin_threads
@@ -38,16 +45,20 @@ POOL_MIB = 16
 BLOCK = 16
 CHATS = 16
 CONTEXTS = (1024, 2048, 4096)
+ENGINE_CONFIG: dict = {}  # the last capacity engine's settings, for the JSON
 
 
 def capacity(model, tok, fmt: str, chats: int) -> dict:
     """A. The chats of a fixed pool through the engine, all arriving at once."""
     kv, eng, seq_mod = (load(f"stage04_batching.{m}") for m in ("kv_quant", "engine", "sequence"))
     blocks = POOL_MIB * 2**20 // (kv.bytes_per_token(model.config, fmt) * BLOCK)
+    # PyTorch's matmuls, as in B and C, where the engine offers another kernel: the formats are what differ here
+    torch_kernels = {"kernels": "torch"} if "kernels" in {f.name for f in dataclasses.fields(eng.EngineConfig)} else {}
     engine = eng.LLMEngine(
         model, tok, num_blocks=blocks, block_size=BLOCK, max_num_seqs=chats, kv_cache_dtype=fmt,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, **torch_kernels,
     )  # fmt: skip
+    ENGINE_CONFIG.update({k: str(v) for k, v in dataclasses.asdict(engine.config).items()})  # what served the chats
     prompt = tok.encode(chat("Tell me a story about a lighthouse keeper.")).ids
     new = 8 * BLOCK - len(prompt)
     running, preempted = [], []  # chats running before each step; (step, chats running) at each preemption
@@ -73,36 +84,47 @@ def capacity(model, tok, fmt: str, chats: int) -> dict:
     return row
 
 
-def decode_step(model, fmt: str, context: int, repeats: int) -> dict:
-    """B. One decode step of forward_paged at `context` cached tokens, and its attention alone."""
+def decode_steps(model, context: int, repeats: int) -> list[dict]:
+    """B. One decode step of forward_paged at `context` cached tokens in each format, and its attention alone,
+    the formats timed in turn (bench.interleaved) so that load on the machine hits them alike."""
     kv, eng = load("stage04_batching.kv_quant"), load("stage04_batching.engine")
     pa = load("stage04_batching.paged_attention")
     c = model.config
     blocks = context // BLOCK + 1
-    cache = kv.make_cache(c, blocks, BLOCK, fmt)
     g = torch.Generator().manual_seed(0)
     slots = torch.arange(context)
-    for layer in range(c.num_hidden_layers):
-        k, v = (torch.randn(context, c.num_key_value_heads, c.head_dim, generator=g) for _ in range(2))
-        cache.write(layer, k, v, slots)
-    table = torch.arange(blocks)[None]
-    ctx, one = torch.tensor([context + 1]), torch.tensor([1])
+    values = [
+        [torch.randn(context, c.num_key_value_heads, c.head_dim, generator=g) for _ in range(2)]
+        for _ in range(c.num_hidden_layers)
+    ]
+    table, ctx, one = torch.arange(blocks)[None], torch.tensor([context + 1]), torch.tensor([1])
     args = (torch.tensor([5]), torch.tensor([context]), torch.tensor([context]), table, ctx, one)
     q = torch.randn(1, c.num_attention_heads, c.head_dim, generator=g)
+    steps, attention = {}, {}
 
-    def attention_once():
+    def attend(cache):  # every layer's read (widening the blocks) and paged_attention, for one decode query
         for layer in range(c.num_hidden_layers):
-            k, v, t = cache.read(layer, table)
-            pa.paged_attention(q, k, v, t, ctx, one)
+            k, v, tables = cache.read(layer, table)
+            pa.paged_attention(q, k, v, tables, ctx, one)
 
-    step = bench.measure(lambda: eng.forward_paged(model, cache, *args), repeats=repeats, warmup=2).median
-    attn = bench.measure(attention_once, repeats=repeats, warmup=2).median
-    kv_bytes = kv.bytes_per_token(c, fmt) * (context + 1)
-    row = {"kv_cache_dtype": fmt, "context": context, "step ms": round(step * 1e3, 2)}
-    row.update(floors.row(step, bytes=floors.weight_bytes(model) + kv_bytes))
-    row |= {"attention ms": round(attn * 1e3, 2), "K/V MB read": round(kv_bytes / 1e6, 1)}
-    row.update(floors.row(attn, bytes=kv_bytes, name="attention"))
-    return row
+    for fmt in FORMATS:
+        cache = kv.make_cache(c, blocks, BLOCK, fmt)
+        for layer, (k, v) in enumerate(values):
+            cache.write(layer, k, v, slots)
+        steps[fmt] = lambda cache=cache: eng.forward_paged(model, cache, *args)
+        attention[fmt] = lambda cache=cache: attend(cache)
+
+    step_t = bench.interleaved(steps, repeats=repeats, warmup=2)
+    attn_t = bench.interleaved(attention, repeats=repeats, warmup=2)
+    rows = []
+    for fmt in FORMATS:
+        kv_bytes = kv.bytes_per_token(c, fmt) * (context + 1)
+        row = {"kv_cache_dtype": fmt, "context": context, "step ms": round(step_t[fmt].median * 1e3, 2)}
+        row.update(floors.row(step_t[fmt].median, bytes=floors.weight_bytes(model) + kv_bytes))
+        row |= {"attention ms": round(attn_t[fmt].median * 1e3, 2), "K/V MB read": round(kv_bytes / 1e6, 1)}
+        row.update(floors.row(attn_t[fmt].median, bytes=kv_bytes, name="attention"))
+        rows.append(row)
+    return rows
 
 
 @torch.inference_mode()
@@ -126,23 +148,49 @@ def window_logits(model, fmt: str, windows: torch.Tensor, per_head: bool = True)
     return torch.stack([run(w.tolist()) for w in windows])
 
 
+def rounded_weights(model, fmt: str):
+    """A copy of model whose decoder matrices hold llama.cpp's Q8_0 or Q4_1 grid (labkit.cpu_kernels), in float32:
+    what a kernel that dequantizes them computes, up to its rounding of activations."""
+    quantize = {"q8_0": cpu_kernels.quantize_q8_0, "q4_1": cpu_kernels.quantize_q4_1}[fmt]
+    rounded = copy.deepcopy(model)
+    for layer in rounded.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        for linear in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj):
+            linear.weight.data = cpu_kernels.dequantize(*quantize(linear.weight.data))
+    return rounded
+
+
+# (name, weights, kv_cache_dtype, fp8 per head): the served configurations the gate measures
+CONFIGS = [
+    ("float32", None, "auto", True),
+    ("fp8_e4m3 KV per head", None, "fp8_e4m3", True),
+    ("fp8_e4m3 KV per tensor", None, "fp8_e4m3", False),
+    ("int8 KV", None, "int8", True),
+    ("Q8_0 weights", "q8_0", "auto", True),
+    ("Q8_0 weights + fp8_e4m3 KV", "q8_0", "fp8_e4m3", True),
+    ("Q4_1 weights (the source GGUF's grid)", "q4_1", "auto", True),
+]
+
+
 def gate(model, tok, n_tokens: int) -> list[dict]:
     """C. The deploy gate's figures for each served configuration against the float32 pool."""
     windows = quality.heldout(tok, n_tokens=n_tokens, seq=256)
     targets = windows[:, 1:]
-    configs = [("auto", True), ("fp8_e4m3", True), ("fp8_e4m3", False), ("int8", True)]
-    logits = {cfg: window_logits(model, cfg[0], windows, cfg[1]) for cfg in configs}
-    base = logits[("auto", True)]
+    variants = {w: rounded_weights(model, w) for w in ("q8_0", "q4_1")}
+    logits = {
+        name: window_logits(variants.get(weights, model), fmt, windows, per_head)
+        for name, weights, fmt, per_head in CONFIGS
+    }
+    base = logits["float32"]
 
     def ppl(x):
         nll = torch.nn.functional.cross_entropy(x[:, :-1].reshape(-1, x.shape[-1]), targets.reshape(-1))
         return float(nll.exp())
 
     rows, base_ppl = [], ppl(base)
-    for (fmt, per_head), x in logits.items():
+    for name, x in logits.items():
         kl, top1 = quality.divergence(base, x)
         passed, reasons = quality.deploy_gate(base_ppl, ppl(x), top1)
-        name = fmt if fmt != "fp8_e4m3" else f"fp8_e4m3 per {'head' if per_head else 'tensor'}"
         rows.append({
             "configuration": name, "perplexity": round(ppl(x), 4), "ppl increase %": round(100 * (ppl(x) / base_ppl - 1), 3),
             "top-1 agreement": round(top1, 4), "mean KL nats": float(f"{kl:.3g}"), "gate": "pass" if passed else "BLOCK",
@@ -151,21 +199,25 @@ def gate(model, tok, n_tokens: int) -> list[dict]:
     return rows
 
 
-@torch.inference_mode()
 def main(quick: bool = False) -> bench.Result:
     pin_threads(1)  # as every benchmark: one thread, so other work on a 2-core machine disturbs it least
     folder = require_real_model()
-    model, tok = load_model(folder)
+    model, tok = load_model(folder)  # outside inference mode: an engine may repack the weights and track them
+    with torch.inference_mode():
+        return measure(model, tok, folder, quick)
+
+
+def measure(model, tok, folder, quick: bool) -> bench.Result:
     which = f"{folder.name} ({model.num_params() / 1e6:.1f}M params)"
     chats, contexts, repeats, n_tokens = (6, CONTEXTS[:1], 3, 512) if quick else (CHATS, CONTEXTS, 7, 2048)
     cap = [capacity(model, tok, fmt, chats) for fmt in FORMATS]
     print(bench.table(cap, f"A. {chats} chats of 8 blocks in a {POOL_MIB} MiB pool, {which}"))
-    steps = [decode_step(model, fmt, n, repeats) for n in contexts for fmt in FORMATS]
+    steps = [row for n in contexts for row in decode_steps(model, n, repeats)]
     print(bench.table(steps, f"B. one decode step at long context, median of {repeats}"))
     gates = gate(model, tok, n_tokens)
     print(bench.table([{k: v for k, v in r.items() if k != "reasons"} for r in gates], "C. the deploy gate"))
     figures = {
-        "model": which, "repeats": repeats, "capacity": cap, "long_context": steps, "gate": gates,
+        "model": which, "engine_config": ENGINE_CONFIG, "repeats": repeats, "capacity": cap, "long_context": steps, "gate": gates,
         "gate_bounds": {"max_ppl_increase_pct": quality.GATE_MAX_PPL_INCREASE_PCT,
                         "max_top1_disagreement": quality.GATE_MAX_TOP1_DISAGREEMENT},
     }  # fmt: skip
@@ -180,7 +232,7 @@ def load_model(folder):
 
 def _plot(cap, steps, gates, which):
     plt = plot.setup()
-    fig, (ax_cap, ax_step, ax_gate) = plt.subplots(1, 3, figsize=(16, 4.2))
+    fig, (ax_cap, ax_step, ax_gate) = plt.subplots(1, 3, figsize=(18, 4.8), gridspec_kw={"wspace": 0.45})
     ax_cap.bar([r["kv_cache_dtype"] for r in cap], [r["mean running"] for r in cap])
     for i, r in enumerate(cap):
         note = f"{r['output tokens/s']} tok/s\n{r['preemptions']} preemptions"
@@ -199,7 +251,8 @@ def _plot(cap, steps, gates, which):
     ax_gate.barh(x - 0.2, ppl, 0.4, label="perplexity increase")
     ax_gate.barh(x + 0.2, top1, 0.4, label="top-1 disagreement")
     ax_gate.axvline(1, color="red", ls="--", label="the bound")
-    ax_gate.set_yticks(x, [g["configuration"] + ("" if g["gate"] == "pass" else "\n(BLOCK)") for g in gates])
+    names = [textwrap.fill(g["configuration"], 22) + ("" if g["gate"] == "pass" else " (BLOCK)") for g in gates]
+    ax_gate.set_yticks(x, names, fontsize=8)
     ax_gate.invert_yaxis()
     ax_gate.set(xlabel="fraction of the gate's bound", title="the deploy gate through the engine")
     ax_gate.legend(fontsize=8)
