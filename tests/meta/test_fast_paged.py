@@ -89,3 +89,19 @@ def test_unknown_names_are_refused():
     with pytest.raises(ValueError, match="cpp"):
         fast_paged.accelerate(model, kernels="avx")
     assert fast_paged.accelerate(model, kernels="torch") is model
+
+
+def test_engine_config_names_the_quantizations():
+    """serve --quantization takes GGUF's names; another is refused, naming the choices."""
+    import argparse
+
+    from stage04_batching.config import EngineConfig
+
+    with pytest.raises(ValueError, match="q8_0"):
+        EngineConfig(quantization="q4_0")
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    args = parser.parse_args(["--quantization", "q4_1", "--kernels", "torch"])
+    assert (EngineConfig.from_cli_args(args).quantization, args.kernels) == ("q4_1", "torch")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int3"])
