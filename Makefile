@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 # 0 in most containers and cloud machines, where Jupyter refuses to start without --allow-root
 USER_ID ?= $(shell id -u)
 
-.PHONY: setup test grade lab bench serve lint format llamacpp guided student-edition mutants
+.PHONY: setup test grade lab bench serve lint format llamacpp llama-server guided student-edition mutants
 
 ## make setup: the venv, then the real model (SmolLM2-135M-Instruct) converted once from its GGUF into
 ## ~/.cache/llm-course (LABKIT_REAL_MODEL=folder to put it elsewhere); re-running is a no-op
@@ -51,7 +51,7 @@ lab: setup
 
 ## make bench STAGE=02 [QUICK=1] [MODEL=dir DRAFT=dir]: one stage's benchmark (reference solution unless
 ## IMPL=student) on the tiny pair or your HF-format Llama folders; QUICK=1 saves to bench_results/*_quick.*
-bench: setup $(if $(filter 03b decode,$(STAGE)),llamacpp) $(if $(filter 04b_guided,$(STAGE)),guided)
+bench: setup $(if $(filter 03b decode,$(STAGE)),llamacpp) $(if $(filter serve,$(STAGE)),llama-server) $(if $(filter 04b_guided,$(STAGE)),guided)
 	@test -n "$(STAGE)" || { echo "usage: make bench STAGE=02"; exit 2; }
 	LABS_IMPL=$(IMPL) $(PY) -m labkit.bench $(STAGE) $(if $(QUICK),--quick)
 
@@ -73,6 +73,21 @@ llamacpp: setup
 	  $$sdist && $(PY) -m pip install -q --disable-pip-version-check -r requirements-llamacpp.txt || exit 1; \
 	printf '{"kind": "%s", "cmake_args": "%s", "version": "%s", "vendored_llama_cpp_commit": "%s"}\n' \
 	  "$$kind" "$$flags" "$$version" "$$commit" > .venv/.llamacpp-build
+
+## make llama-server: llama.cpp's own OpenAI-compatible server (the serve benchmark's anchor), built once, natively
+## (GGML_NATIVE=ON), from the llama.cpp vendored in the pinned llama-cpp-python sdist that make llamacpp downloaded,
+## into .venv/llama-server/build/bin
+llama-server: llamacpp
+	@src=.venv/llama-server; test -x $$src/build/bin/llama-server && exit 0; \
+	version=$$(sed -n 's/^llama-cpp-python==//p' requirements-llamacpp.txt); \
+	echo "building llama-server from llama-cpp-python $$version's llama.cpp: about 5 minutes on 2 idle cores"; \
+	sdist=.venv/llamacpp-sdist/llama_cpp_python-$$version.tar.gz; test -f $$sdist || $(PY) -m pip download -q \
+	  --disable-pip-version-check --no-deps --no-binary llama-cpp-python -d .venv/llamacpp-sdist \
+	  "llama-cpp-python==$$version" || exit 1; \
+	mkdir -p $$src && tar xzf $$sdist -C $$src --strip-components=3 llama_cpp_python-$$version/vendor/llama.cpp || exit 1; \
+	cmake -S $$src -B $$src/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > $$src/cmake.log && \
+	nice cmake --build $$src/build --target llama-server -j 2 > $$src/build.log || { tail -20 $$src/build.log; exit 1; }
 
 ## make guided: the optional llguidance and XGrammar wheels that stage 04b's guided-decoding benchmark runs beside the
 ## course's masks (--no-deps: what they need is already in requirements.txt, and pip must not fetch a CUDA torch)
