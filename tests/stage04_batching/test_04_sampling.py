@@ -163,11 +163,11 @@ def test_eos_and_max_tokens_finish_with_their_reasons(impl, seed):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_streamed_deltas_concatenate_to_the_text_and_never_break_utf8(impl, tokenizer, seed):
     model = make_model(seed, vocab_size=tokenizer.get_vocab_size())
-    engine = impl("stage04_batching.engine").LLMEngine(model, tokenizer, num_blocks=32)
-    # bias the model towards the byte tokens of multi-byte characters
+    # bias the model towards the byte tokens of multi-byte characters, before the engine packs its weights
     multibyte = tokenizer.encode("ünïcode ✓ 日本語").ids
     with torch.no_grad():
         model.lm_head.weight[multibyte] += 0.3 * model.lm_head.weight[multibyte].sign()
+    engine = impl("stage04_batching.engine").LLMEngine(model, tokenizer, num_blocks=32)
     rid = engine.add_request("héllo", _params(impl, max_tokens=40, ignore_eos=True, temperature=1.0, seed=seed))
     deltas = []
     while engine.has_unfinished_requests():
