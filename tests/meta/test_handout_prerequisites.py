@@ -19,14 +19,6 @@ NOTEBOOKS = [
     for folder in dict.fromkeys(folder for folder, _ in STAGES.values())
     for nb in todo.stage_files(ROOT / folder, "*.ipynb")
 ]
-# Parts written while this rule came in (issue 62); each gets its line from the change that owns it.
-PENDING = {
-    ("stage07_tensor_parallel", "fleet/lab2.ipynb"),
-    ("stage07_tensor_parallel", "fleet/lab3.ipynb"),
-    ("stage07_tensor_parallel", "fleet/lab4.ipynb"),
-    ("stage07_tensor_parallel", "fleet/lab5.ipynb"),
-    ("stage07_tensor_parallel", "moe/lab8.ipynb"),
-}
 LINE = re.compile(r"^\*\*Before you start:\*\*(.+?)(?:\n\n|\Z)", re.M | re.S)
 
 
@@ -55,7 +47,7 @@ def needed(folder: str, notebook: str) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize(("folder", "notebook"), [n for n in NOTEBOOKS if n not in PENDING])
+@pytest.mark.parametrize(("folder", "notebook"), NOTEBOOKS)
 def test_each_handout_states_the_todos_it_needs_from_other_notebooks(folder, notebook):
     cells = json.loads((ROOT / folder / notebook).read_text())["cells"]
     first = "".join(cells[0]["source"])
