@@ -235,3 +235,122 @@ def test_stage03_lab2_quotes_the_llamacpp_benchmark():
     check(
         m.groups(), [fmt["INT8 per-channel"]["vs course fp32"], fmt["RTN INT4 g128"]["vs course fp32"]], "stage03b.json"
     )
+
+
+def test_stage04_lab_quotes_the_batching_benchmark():
+    text, b = handout("stage04_batching/lab.ipynb"), bench("stage04")
+    on = next(r for r in b["prefix_cache"] if r["prefix_cache"] == "on")
+    off = next(r for r in b["prefix_cache"] if r["prefix_cache"] == "off")
+    m = quoted(text, r"(\d+)× shorter in `bench_results/stage04.json` \((\d+) against (\d+(?:\.\d+)?) ms")
+    check(m.groups(), [on["ttft_speedup"], off["ttft_p50_ms"], on["ttft_p50_ms"]], "stage04.json prefix cache")
+    r = b["ratios"]
+    m = quoted(text, r"static batching runs (\d+) forward passes over ([\d,]+) token rows")
+    m2 = quoted(
+        text, r"continuous batching (\d+) passes over ([\d,]+) rows: (\d+\.\d+)× the passes, (\d+\.\d+)× the rows"
+    )
+    counts = [float(x.replace(",", "")) for x in m.groups() + m2.groups()[:2]]
+    want = [r["static_vs_continuous_forward_passes_at_16"], r["static_vs_continuous_token_rows_at_16"]]
+    check(m2.groups()[2:], want, "stage04.json static/continuous passes and rows")
+    check([f"{counts[0] / counts[2]:.3f}", f"{counts[1] / counts[3]:.3f}"], want, "stage04.json, the counts' ratios")
+    m = quoted(text, r"So the measured ratio, (\d+\.\d+)× \(`bench_results/stage04.json`")
+    check(m.groups(), [r["continuous_vs_static_at_16"]], "stage04.json continuous/static")
+    m = quoted(
+        text,
+        r"measured (\d+\.\d+)× sequential and (\d+\.\d+)× static batching at concurrency 16, and (\d+\.\d+)× the plain",
+    )
+    want = [r["continuous_vs_sequential_at_16"], r["continuous_vs_static_at_16"], r["continuous_vs_sequential_at_1"]]
+    check(m.groups(), want, "stage04.json ratios")
+    rows = {(x["variant"], x["concurrency"]): x for x in b["rows"]}
+    cb1, cb32, st32 = rows["continuous batching", 1], rows["continuous batching", 32], rows["static batching", 32]
+    m = quoted(text, r"median TPOT grows from (\d+\.\d+) to (\d+\.\d+) ms")
+    check(m.groups(), [cb1["tpot_p50_ms"], cb32["tpot_p50_ms"]], "stage04.json continuous TPOT")
+    m = quoted(text, r"median TTFT falls from (\d+\.\d+) s to (\d+\.\d+) s")
+    check(m.groups(), [cb1["ttft_p50_ms"], cb32["ttft_p50_ms"]], "stage04.json continuous TTFT (s)", 1e-3)
+    m = quoted(text, r"\(TPOT (\d+\.\d+) ms and TTFT (\d+\.\d+) s at 32\)")
+    check(m.groups(), [st32["tpot_p50_ms"], st32["ttft_p50_ms"] / 1e3], "stage04.json static at 32")
+    steps = {x["batch"]: x["step_ms"] for x in bench("stage04b")["rows"]}
+    m = quoted(
+        text, r"\((\d+\.\d+) ms against (\d+\.\d+) ms, the plain decode steps timed in `bench_results/stage04b.json`\)"
+    )
+    check(m.groups(), [steps[16], steps[1]], "stage04b.json decode step ms at batch 16 and 1")
+
+
+def test_stage04_lab_quotes_the_latency_benchmark():
+    text, lat = handout("stage04_batching/lab.ipynb"), bench("stage04_latency")["latency"]
+    m = quoted(text, r"capacity (\d+\.\d+) requests/s, SLOs TTFT ≤ (\d+) ms and TPOT ≤ (\d+\.\d+) ms")
+    check(m.groups(), [lat["capacity_rps"], lat["slo_ttft_ms"], lat["slo_tpot_ms"]], "stage04_latency.json")
+    ch = {r["max_num_batched_tokens"]: r for r in lat["chunked_prefill"]}
+    lo, hi = ch[min(ch)], ch[max(ch)]
+    m = quoted(
+        text,
+        r"the p95 gap grows from (\d+) to (\d+) ms while throughput grows from (\d+) to (\d+) tokens/s"
+        r" and the median TTFT falls from (\d+) to (\d+) ms",
+    )
+    want = [
+        lo["gap_p95_ms"],
+        hi["gap_p95_ms"],
+        lo["tokens_per_s"],
+        hi["tokens_per_s"],
+        lo["ttft_p50_ms"],
+        hi["ttft_p50_ms"],
+    ]
+    check(m.groups(), want, "stage04_latency.json chunked prefill 16 -> 512")
+
+    def at(budget, fraction):
+        return next(
+            r
+            for r in lat["goodput"]
+            if r["max_num_batched_tokens"] == budget and abs(r["offered_rps"] / lat["capacity_rps"] - fraction) < 0.01
+        )
+
+    m = quoted(text, r"at 0.75× it, (\d+\.\d+) and (\d+\.\d+) requests/s\)")
+    check(
+        m.groups(), [at(64, 0.75)["goodput_rps"], at(512, 0.75)["goodput_rps"]], "stage04_latency.json goodput at 0.75x"
+    )
+    top = max(r["offered_rps"] for r in lat["goodput"]) / lat["capacity_rps"]
+    m = quoted(text, r"the 64-token budget falls to (\d+) while 512 keeps (\d+\.\d+)")
+    check(
+        m.groups(),
+        [at(64, top)["goodput_rps"], at(512, top)["goodput_rps"]],
+        "stage04_latency.json goodput at the top rate",
+    )
+    m = quoted(text, r"most clearly at capacity \((\d+\.\d+) against (\d+\.\d+) requests/s\)")
+    check(m.groups(), [at(512, 1)["goodput_rps"], at(64, 1)["goodput_rps"]], "stage04_latency.json goodput at capacity")
+    m = quoted(text, r"its median TPOT is (\d+\.\d+) ms against (\d+\.\d+) ms for 512 and a (\d+\.\d+) ms target")
+    check(
+        m.groups(),
+        [at(64, 1)["tpot_p50_ms"], at(512, 1)["tpot_p50_ms"], lat["slo_tpot_ms"]],
+        "stage04_latency.json TPOT",
+    )
+    m = quoted(text, r"\(p95 (\d+) against (\d+) ms\)")
+    check(m.groups(), [at(64, 1)["gap_p95_ms"], at(512, 1)["gap_p95_ms"]], "stage04_latency.json p95 gap at capacity")
+    lightest = min(r["offered_rps"] for r in lat["goodput"]) / lat["capacity_rps"]
+    m = quoted(
+        text,
+        r"the lightest load's median TTFT is (\d+\.\d+)× and its median TPOT (\d+\.\d+)× with the 512-token budget",
+    )
+    row = at(512, lightest)
+    check(m.groups(), [row["ttft_p50 vs floor"], row["tpot_p50 vs floor"]], "stage04_latency.json vs floor")
+
+
+def test_stage04_lab_quotes_the_real_model_benchmark():
+    text, b = handout("stage04_batching/lab.ipynb"), bench("stage04_real")
+    rows = {r["variant"]: r for r in b["rows"]}
+    m = quoted(
+        text, r"reads \*\*(\d+\.\d+)×\*\* at 4 concurrent and \*\*(\d+\.\d+)×\*\* at 8 against one after another"
+    )
+    check(
+        m.groups(),
+        [b["batched_vs_one_after_another_at_4"], b["batched_vs_one_after_another_at_8"]],
+        "stage04_real.json",
+    )
+    m = quoted(text, r"your engine at one request at a time (\d+\.\d+)× the plain loop")
+    check(m.groups(), [rows["engine, 1 at a time"]["speedup"]], "stage04_real.json engine at 1")
+    off, on = b["prefix_cache"]
+    m = quoted(
+        text,
+        r"system prompt of (\d+) tokens .*? serves the first (\d+) from cached blocks .*?"
+        r" falls from (\d+\.\d+) s to (\d+\.\d+) s \(\*\*(\d+\.\d+)×\*\*",
+    )
+    want = [on["prompt_tokens_p50"], on["cached_tokens_p50"], off["ttft_p50_ms"] / 1e3, on["ttft_p50_ms"] / 1e3]
+    check(m.groups(), want + [on["ttft_speedup"]], "stage04_real.json prefix cache")
