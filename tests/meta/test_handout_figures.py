@@ -354,3 +354,94 @@ def test_stage04_lab_quotes_the_real_model_benchmark():
     )
     want = [on["prompt_tokens_p50"], on["cached_tokens_p50"], off["ttft_p50_ms"] / 1e3, on["ttft_p50_ms"] / 1e3]
     check(m.groups(), want + [on["ttft_speedup"]], "stage04_real.json prefix cache")
+
+
+def test_stage04_lab2_quotes_the_guided_decoding_benchmarks():
+    path = "stage04_batching/lab2.ipynb"
+    text, rows = handout(path), bench("stage04b")["rows"]
+    for row, want in zip(table(path, "batch"), rows, strict=True):
+        figures = [row[c].removesuffix(" ms").removesuffix(" %") for c in list(row)[1:]]
+        shipped = [want["step_ms"], want["guided_step_ms"], want["mask_ms"], want["mask_pct_of_step"]]
+        check(figures, shipped, f"stage04b.json at batch {want['batch']}")
+    quoted(text, r"for the schema above with lazy rows, `validity.index_build_s`")
+    m = quoted(text, r"index build per schema \((\d+\.\d+) s for the schema above")
+    check(m.groups(), [bench("stage04b")["validity"]["index_build_s"]], "stage04b.json index build s")
+    g = {r["constraint"].split(",")[0]: r for r in bench("stage04b_guided")["rows"]}
+    cls, js, lit = g["printable class"], g["3-field JSON schema"], g["literal-heavy address and date"]
+    m = quoted(
+        text,
+        r"a row costs (\d+\.\d+) ms on `\[ -~\]\*a\[ -~\]\{10\}` and (\d+\.\d+) ms inside a JSON string \(worst"
+        r" (\d+\.\d+) ms\), against (\d+) and (\d+) ms for the dict walk: about (\d+)× less, and (\d+\.\d+)× llguidance's",
+    )
+    ratio = (cls["course_dict_walk_median_ms"] + js["course_dict_walk_median_ms"]) / (
+        cls["course_mask_median_ms"] + js["course_mask_median_ms"]
+    )
+    want = [cls["course_mask_median_ms"], js["course_mask_median_ms"], js["course_mask_worst_ms"]]
+    want += [cls["course_dict_walk_median_ms"], js["course_dict_walk_median_ms"]]
+    check(m.groups()[:5], want, "stage04b_guided.json ms per row")
+    assert abs(float(m[6]) - ratio) <= 0.1 * ratio, f"stage04b_guided.json: the dict walk is {ratio:.0f}× the arrays"
+    check(m.groups()[6:], [cls["course_over_llguidance_median"]], "stage04b_guided.json course/llguidance")
+    m = quoted(
+        text,
+        r"stops after a dozen nodes \(about (\d+\.\d+) ms\) and the arrays still pay .*? \(about\s+(\d+\.\d+) ms\)",
+    )
+    check(
+        m.groups(),
+        [lit["course_dict_walk_median_ms"], lit["course_mask_median_ms"]],
+        "stage04b_guided.json literal-heavy",
+    )
+    m = quoted(
+        text,
+        r"(\d+\.\d+) / (\d+\.\d+) / (\d+\.\d+) ms of CPU per mask on the printable class, and\s+(\d+\.\d+) / (\d+\.\d+)"
+        r" / (\d+\.\d+) ms inside JSON strings",
+    )
+    want = [r[f"{e}_mask_median_ms"] for r in (cls, js) for e in ("course", "llguidance", "xgrammar")]
+    check(m.groups(), want, "stage04b_guided.json mask medians")
+    steps = bench("stage04_real")["structured_steps"]
+    m = quoted(
+        text, r"under 1 % of a decode step \((\d+\.\d+) % and (\d+\.\d+) % in `bench_results/stage04_real.json`\)"
+    )
+    check(m.groups(), [s["mask_pct_of_step"] for s in steps], "stage04_real.json mask share of a step")
+    m = quoted(text, r"`mask_logits` takes about (\d+\.\d+) ms at batch 1 and (\d+) ms at\s+batch 16")
+    check(m.groups(), [s["mask_ms"] for s in steps], "stage04_real.json mask ms")
+
+
+def test_stage04_lab3_quotes_the_lora_benchmark():
+    path, b = "stage04_batching/lab3.ipynb", bench("stage04b_lora")
+    names = ["course (3)", "random (1)", "random (4)", "random (8)", "random (16)"]
+    tput = {(r["adapters"], r["variant"]): r["tokens_per_s"] for r in b["rows"]}
+    memory = {r["adapters"]: r for r in b["memory"]}
+    for row, name in zip(table(path, "adapters"), names, strict=True):
+        figures = re.findall(r"\d+(?:\.\d+)?", " ".join(list(row.values())[1:]))
+        mem = memory[name]
+        want = [tput[name, "mixed batch (LoRA slots)"], tput[name, "per-adapter merged, apart"]]
+        want += [b["ratios"][f"mixed_vs_apart_{name}"], b["ratios"][f"mixed_vs_base_{name}"]]
+        want += [mem["base_plus_adapters_mb"], mem["merged_models_mb"]]
+        want += [mem["merged_over_adapters"]] if len(figures) == 7 else []
+        check(figures, want, f"stage04b_lora.json, {name}")
+    text, base = handout(path), next(r for r in b["rows"] if r["variant"] == "base model only")
+    m = quoted(text, r"The base model alone served (\d+) tok/s, (\d+\.\d+)× the floor of its work")
+    check(m.groups(), [base["tokens_per_s"], base["workload vs floor"]], "stage04b_lora.json base model")
+    m = quoted(
+        text, r"16 adapters cost (\d+\.\d+) MB next to one (\d+) MB base\s+model, where 16 merged models take (\d+) MB"
+    )
+    one = memory["random (1)"]["merged_models_mb"]
+    want = [memory["random (16)"]["base_plus_adapters_mb"] - one, one, memory["random (16)"]["merged_models_mb"]]
+    check(m.groups(), want, "stage04b_lora.json memory")
+    m = quoted(text, r"the mixed batch is (\d+\.\d+)× and (\d+\.\d+)× faster")
+    check(
+        m.groups(),
+        [b["ratios"]["mixed_vs_apart_random (8)"], b["ratios"]["mixed_vs_apart_random (16)"]],
+        "stage04b_lora.json",
+    )
+
+
+def test_stage04_lab4_quotes_the_invariance_benchmark():
+    text, b = handout("stage04_batching/lab4.ipynb"), bench("stage04b_invariant")
+    m = quoted(text, r"`MIN_ROWS` = (\d+), twice the boundary measured here")
+    check(m.groups(), [b["min_rows"]], "stage04b_invariant.json min_rows")
+    m = quoted(
+        text,
+        r"cuts a\s+512-token prefill into 32 small calls and costs about (\d+\.\d+)× on it; the benchmark measured both",
+    )
+    check(m.groups(), [b["prefill_matmuls"]["tiled16_vs_padded"]], "stage04b_invariant.json tiled16/padded")
