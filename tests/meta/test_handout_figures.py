@@ -445,3 +445,19 @@ def test_stage04_lab4_quotes_the_invariance_benchmark():
         r"cuts a\s+512-token prefill into 32 small calls and costs about (\d+\.\d+)× on it; the benchmark measured both",
     )
     check(m.groups(), [b["prefill_matmuls"]["tiled16_vs_padded"]], "stage04b_invariant.json tiled16/padded")
+
+
+def test_stage05_quotes_the_memory_benchmarks():
+    text = handout("stage05_flashattention/lab.ipynb")
+    toy = {r["T"]: r for r in bench("stage05")["rows"]}
+    m = quoted(text, r"measured (\d+)× at T = 4096 and (\d+)× at T = 8192 \(`bench_results/stage05.json`\)")
+    check(m.groups(), [toy[4096]["naive/tiled"], toy[8192]["naive/tiled"]], "stage05.json naive/tiled")
+    real = {r["T"]: r for r in bench("stage05_real")["rows"]}
+    m = quoted(text, r"About (\d+) MiB naive against (\d+) MiB tiled at \$T = 1024\$ \((\d+\.\d+)×\)")
+    check(
+        m.groups(), [real[1024]["naive MiB"], real[1024]["tiled MiB"], real[1024]["naive/tiled"]], "stage05_real.json"
+    )
+    m = quoted(text, r"to (\d+)× at 4,096 tokens \(([\d,]+) MiB against (\d+) MiB\)")
+    check(
+        m.groups(), [real[4096]["naive/tiled"], real[4096]["naive MiB"], real[4096]["tiled MiB"]], "stage05_real.json"
+    )
