@@ -461,3 +461,114 @@ def test_stage05_quotes_the_memory_benchmarks():
     check(
         m.groups(), [real[4096]["naive/tiled"], real[4096]["naive MiB"], real[4096]["tiled MiB"]], "stage05_real.json"
     )
+
+
+def test_stage06_lab_quotes_the_speculative_benchmarks():
+    text, b = handout("stage06_speculative/lab.ipynb"), bench("stage06")
+    k = {r["k"]: r for r in b["rows"]}
+    m = quoted(text, r"\*c\* = (\d+\.\d+), (\d+\.\d+)× at \*k\* = 4, (\d+\.\d+)× at \*k\* = 8;")
+    check(m.groups(), [b["draft_cost_ratio_c"], k[4]["speedup"], k[8]["speedup"]], "stage06.json")
+    quoted(text, r"not kept: `bench_results/stage06.json` holds the latest run only\) measured the target's step at")
+    rows = {r["variant"]: r for r in bench("stage06_real")["rows"]}
+    m = quoted(text, r"gives α = (\d+\.\d+) at layer 8, (\d+\.\d+) at 16 and (\d+\.\d+) at 24")
+    check(m.groups(), [rows[f"early exit {n}, k=1"]["alpha"] for n in (8, 16, 24)], "stage06_real.json alpha")
+    exits = [r["speedup"] for v, r in rows.items() if v.startswith("early exit")]
+    m = quoted(text, r"\((\d+\.\d+)–(\d+\.\d+)×; timed ratios move")
+    check(m.groups(), [min(exits), max(exits)], "stage06_real.json early-exit speedups")
+    m = quoted(text, r"slower still \((\d+\.\d+)× HF's plain generate\)")
+    check(m.groups(), [rows["hf assisted, early exit 24, k=1"]["speedup"]], "stage06_real.json HF assisted")
+    lookup = rows["prompt lookup, k=4"]
+    m = quoted(
+        text,
+        r"(\d+) % of its drafts accepted,\s+(\d+\.\d+) tokens per target forward, (\d+\.\d+)×"
+        r" \(HF's `prompt_lookup_num_tokens`: (\d+\.\d+)×",
+    )
+    want = [
+        100 * lookup["accept_rate"],
+        lookup["tok_per_fwd"],
+        lookup["speedup"],
+        rows["hf prompt lookup, k=4"]["speedup"],
+    ]
+    check(m.groups(), want, "stage06_real.json prompt lookup")
+
+
+def test_stage06_lab2_quotes_the_batched_speculation_benchmark():
+    path = "stage06_speculative/lab2.ipynb"
+    text, b = handout(path), bench("stage06b")
+    m = quoted(text, r"The benchmark measured (\d+\.\d+)× at k = 8 on this CPU \(`bench_results/stage06.json`\)")
+    check(m.groups(), [bench("stage06")["rows"][-1]["speedup"]], "stage06.json at k = 8")
+    rows = b["rows"]
+    lines = table(path, "concurrency")
+    assert [int(c) for c in list(lines[0])[1:]] == [r["concurrency"] for r in rows], "stage06b.json's concurrencies"
+    costs = b["costs_ms"]
+    wanted = {
+        "throughput, fixed k = 4 / no speculation": [r["fixed_speedup"] for r in rows],
+        "TPOT, no speculation / fixed k = 4": [r["fixed_tpot_ratio"] for r in rows],
+        "throughput, choose_k / no speculation": [r["adaptive_speedup"] for r in rows],
+        "v = target(B, 5 tokens) / target(B, 1)": [
+            costs[f"B={r['concurrency']}"]["target_T5"] / costs[f"B={r['concurrency']}"]["target_T1"] for r in rows
+        ],
+    }
+    for line in lines:
+        name = line["concurrency"]
+        figures = [re.sub(r"[*×]", "", c) for c in list(line.values())[1:]]
+        check(figures, wanted[name], f"stage06b.json, {name}")
+    alpha = [r["alpha"] for r in rows]
+    c = [costs[f"B={r['concurrency']}"]["draft"] / costs[f"B={r['concurrency']}"]["target_T1"] for r in rows]
+    m = quoted(
+        text, r"Acceptance α = (\d+\.\d+)–(\d+\.\d+) .*? draft\s+cost c = (\d+\.\d+)–(\d+\.\d+) of a target step"
+    )
+    check(m.groups(), [min(alpha), max(alpha), min(c), max(c)], "stage06b.json alpha and c")
+    m = quoted(text, r"(?s)predicted (\d+); the earlier runs")
+    check(m.groups(), [b["crossover_predicted"]], "stage06b.json crossover_predicted")
+    at = {r["concurrency"]: r for r in rows}
+    m = quoted(text, r"at 16 and 32 requests \((\d+\.\d+)× and (\d+\.\d+)×\): it picked\s+k = (\d+) and (\d+) there")
+    want = [at[16]["adaptive_speedup"], at[32]["adaptive_speedup"], at[16]["adaptive_k0"], at[32]["adaptive_k0"]]
+    check(m.groups(), want, "stage06b.json choose_k at 16 and 32")
+    m = quoted(
+        text,
+        r"it picked k = (\d+) and drafted (\d+\.\d+) tokens per output token, yet ran at\s+(\d+\.\d+)× and (\d+\.\d+)×",
+    )
+    want = [
+        at[64]["adaptive_k0"],
+        at[64]["adaptive_drafts_per_token"],
+        at[64]["adaptive_speedup"],
+        at[128]["adaptive_speedup"],
+    ]
+    check(m.groups(), want, "stage06b.json choose_k at 64 and 128")
+
+
+def test_stage06_lab3_quotes_the_medusa_heads_and_benchmark():
+    path = "stage06_speculative/lab3.ipynb"
+    text = handout(path)
+    report = json.loads((ROOT / "labkit" / "assets" / "training_report.json").read_text())
+    heads = report["medusa"]["accuracy_vs_target_greedy"]
+    m = quoted(
+        text, r"head 1 is right (\d+) % of the time \(top-1\),\s+head 4 (\d+) %. Top-5 is (\d+)–(\d+) % at every depth"
+    )
+    top5 = [h["top5"] for h in heads]
+    check(m.groups(), [heads[0]["top1"], heads[3]["top1"], min(top5), max(top5)], "training_report.json medusa", 100)
+    m = quoted(text, r"the target's greedy token (\d+) % of the time \(`labkit/assets/training_report.json`\)")
+    check(m.groups(), [report["greedy_agreement_draft_vs_target"]], "training_report.json draft agreement", 100)
+    m = quoted(text, r"The draft model, which agrees with the\s+target (\d+) % of the time")
+    check(m.groups(), [report["greedy_agreement_draft_vs_target"]], "training_report.json draft agreement", 100)
+    c = bench("stage06")["draft_cost_ratio_c"]
+    m = quoted(text, r"costs (\d+\.\d+) of a\s+target step \(`bench_results/stage06.json`\)")
+    check(m.groups(), [c], "stage06.json c")
+    m = quoted(text, r"k · c = 4 × (\d+\.\d+) target steps \(`bench_results/stage06.json`'s c\)")
+    check(m.groups(), [c], "stage06.json c")
+    b = bench("stage06b_medusa")
+    shipped = [r for r in b["rows"] if r["drafter"] != "none (plain greedy)"]
+    for line, want in zip(table(path, "drafter"), shipped, strict=True):
+        figures = [re.sub(r"[*×]", "", c) for c in list(line.values())[1:]]
+        values = [want["tok_per_fwd"], want["verify_tokens"], want["verify_cost_v"], want["speedup"]]
+        check(figures, values, f"stage06b_medusa.json, {want['drafter']}")
+    rows = {r["drafter"]: r for r in b["rows"]}
+    m = quoted(text, r"plain greedy runs at (\d+\.\d+)×, the Medusa chain at (\d+\.\d+)×")
+    check(
+        m.groups(),
+        [rows["none (plain greedy)"]["vs floor"], rows["Medusa, chain of top-1"]["vs floor"]],
+        "stage06b_medusa.json",
+    )
+    m = quoted(text, r"Prompt lookup gains nothing here \((\d+\.\d+)×")
+    check(m.groups(), [rows["prompt lookup, k=4"]["speedup"]], "stage06b_medusa.json prompt lookup")
