@@ -572,3 +572,34 @@ def test_stage06_lab3_quotes_the_medusa_heads_and_benchmark():
     )
     m = quoted(text, r"Prompt lookup gains nothing here \((\d+\.\d+)×")
     check(m.groups(), [rows["prompt lookup, k=4"]["speedup"]], "stage06b_medusa.json prompt lookup")
+
+
+def test_stage07_lab_quotes_the_tensor_parallel_benchmarks():
+    text, b = handout("stage07_tensor_parallel/lab.ipynb"), bench("stage07")
+    m = quoted(text, r"costs about \*\*(\d+\.\d+) ms\*\* timed alone")
+    check(m.groups(), [b["all_reduce_s"]], "stage07.json all_reduce_s (ms)", 1e3)
+    tp2, tp1 = b["measured"]["TP=2, 1 thread/rank"], b["measured"]["TP=1, 1 thread"]
+    m = quoted(text, r"(\d+\.\d+) ms of the\s+(\d+\.\d+) ms TP=2 step is spent in them")
+    check(m.groups(), [tp2["comm_s"], tp2["step_s"]], "stage07.json TP=2 (ms)", 1e3)
+    m = quoted(
+        text, r"against (\d+\.\d+) ms for the whole unsharded step \(the same file\): TP=2 is (\d+\.\d+)× slower"
+    )
+    check(m.groups(), [tp1["step_s"] * 1e3, b["tp2_over_tp1"]], "stage07.json TP=1 and TP=2/TP=1")
+    nvlink = [r["ms/token"] for r in b["llama3_70b_planning"] if r["link"] == "NVLink"]
+    m = quoted(text, r"NVLink totals of about (\d+\.\d+), (\d+\.\d+), (\d+\.\d+) and (\d+\.\d+) ms per token")
+    check(m.groups(), nvlink, "stage07.json planning table")
+    real = bench("stage07_real")
+    rows = {r["run"]: r for r in real["rows"]}
+    m = quoted(text, r"three one-thread ranks took about (\d+\.\d+)× longer per token")
+    check(m.groups(), [real["tp_over_tp1"]], "stage07_real.json TP=3/TP=1")
+    m = quoted(text, r"inside the (\d+) collectives")
+    check(m.groups(), [real["all_reduces_per_token"] + real["all_gathers_per_token"]], "stage07_real.json collectives")
+    m = quoted(text, r"whole unsharded step takes about (\d+) ms \(`bench_results/stage07_real.json`\)")
+    check(m.groups(), [rows["TP=1, 1 thread"]["ms/token"]], "stage07_real.json unsharded ms/token")
+    m = quoted(
+        text, r"one token sends ([\d,]+) B of all-reduces \((\d+) of 576 floats.*?and ([\d,]+) B into the all-gather"
+    )
+    sent = real["bytes_per_token_per_rank"]
+    check(
+        m.groups(), [sent["all_reduce"], real["all_reduces_per_token"], sent["all_gather"]], "stage07_real.json bytes"
+    )
