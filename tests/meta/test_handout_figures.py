@@ -603,3 +603,71 @@ def test_stage07_lab_quotes_the_tensor_parallel_benchmarks():
     check(
         m.groups(), [sent["all_reduce"], real["all_reduces_per_token"], sent["all_gather"]], "stage07_real.json bytes"
     )
+
+
+def test_fleet_lab2_quotes_the_radix_benchmark():
+    path, b = "stage07_tensor_parallel/fleet/lab2.ipynb", bench("stage07b_radix")
+    for line, want in zip(table(path, "engine"), b["rows"], strict=True):
+        assert line["engine"] == want["engine"], (
+            f"stage07b_radix.json's rows: {want['engine']}, the handout {line['engine']}"
+        )
+        figures = [line["hit rate"], line["prefill tokens computed"], line["median TTFT"].removesuffix(" ms")]
+        check(
+            figures,
+            [want["hit_rate"], want["prefill_tokens_computed"], want["median_ttft_ms"]],
+            f"stage07b_radix.json, {want['engine']}",
+        )
+    text, rows = handout(path), {r["engine"]: r for r in b["rows"]}
+    m = quoted(
+        text,
+        r"No cache computes \*\*(\d+\.\d+)×\*\* the prefill of radix at page 1 and waits \*\*(\d+\.\d+)×\*\* longer",
+    )
+    check(m.groups(), [b["prefill_none_over_radix"], b["ttft_none_over_radix"]], "stage07b_radix.json")
+    radix1, radix16, hash16 = rows["radix, page 1"], rows["radix, page 16"], rows["hash chain, block 16"]
+    m = quoted(text, r"Radix at page 1 computes (\d+) % less prefill than the hash chain")
+    check(
+        m.groups(),
+        [1 - radix1["prefill_tokens_computed"] / hash16["prefill_tokens_computed"]],
+        "stage07b_radix.json",
+        100,
+    )
+    m = quoted(text, r"its TTFT is (\d+) % shorter than the two page-16 engines' \((\d+) against (\d+)–(\d+) ms\)")
+    ttft = [radix16["median_ttft_ms"], hash16["median_ttft_ms"]]
+    want = [
+        1 - radix1["median_ttft_ms"] / (sum(ttft) / 2),
+        radix1["median_ttft_ms"] / 100,
+        min(ttft) / 100,
+        max(ttft) / 100,
+    ]
+    check(m.groups(), want, "stage07b_radix.json TTFT", 100)
+    assert abs(ttft[0] / ttft[1] - 1) < 0.01, (
+        f"stage07b_radix.json: the page-16 engines' TTFTs {ttft} differ by 1 % or more"
+    )
+
+
+def test_fleet_lab3_quotes_the_fleet_benchmark():
+    text = handout("stage07_tensor_parallel/fleet/lab3.ipynb")
+    rows = {(r["workload"], r["policy"]): r for r in bench("stage07b_fleet")["rows"]}
+    shared = {p: r for (w, p), r in rows.items() if w == "shared_prefix"}
+    m = quoted(
+        text,
+        r"cache-aware computes (\d+\.\d+) of round-robin's prefill \(([\d,]+) against ([\d,]+)\s+tokens\)"
+        r".*? the other\s+policies (\d+\.\d+)–(\d+\.\d+)\.",
+    )
+    others = [r["prefill_vs_round_robin"] for p, r in shared.items() if p != "cache_aware"]
+    want = [shared["cache_aware"]["prefill_vs_round_robin"], shared["cache_aware"]["prefill_tokens"]]
+    want += [shared["round_robin"]["prefill_tokens"], min(others), max(others)]
+    check(m.groups(), want, "stage07b_fleet.json shared prefix")
+    skewed_ca, skewed_abs4 = rows["skewed", "cache_aware"], rows["skewed", "cache_aware_abs4"]
+    m = quoted(
+        text,
+        r"skewed \(80 % one prefix\): cache-aware computes (\d+\.\d+) but, .*? serves (\d+)\s+of the 96 requests on one"
+        r" replica; with balance_abs_threshold 4 it serves (\d+) there and computes (\d+\.\d+)",
+    )
+    want = [skewed_ca["prefill_vs_round_robin"], max(skewed_ca["requests_per_replica"])]
+    want += [max(skewed_abs4["requests_per_replica"]), skewed_abs4["prefill_vs_round_robin"]]
+    check(m.groups(), want, "stage07b_fleet.json skewed")
+    zero = {r["prefill_tokens"] for (w, _), r in rows.items() if w == "zero_reuse"}
+    m = quoted(text, r"zero reuse: every policy computes all ([\d,]+) prompt tokens")
+    assert len(zero) == 1, f"stage07b_fleet.json: zero reuse prefill differs by policy: {zero}"
+    check(m.groups(), list(zero), "stage07b_fleet.json zero reuse")
