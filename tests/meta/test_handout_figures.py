@@ -671,3 +671,66 @@ def test_fleet_lab3_quotes_the_fleet_benchmark():
     m = quoted(text, r"zero reuse: every policy computes all ([\d,]+) prompt tokens")
     assert len(zero) == 1, f"stage07b_fleet.json: zero reuse prefill differs by policy: {zero}"
     check(m.groups(), list(zero), "stage07b_fleet.json zero reuse")
+
+
+def test_fleet_lab4_quotes_the_routing_simulation():
+    text, b = handout("stage07_tensor_parallel/fleet/lab4.ipynb"), bench("stage07b")
+    rows = {(r["trace"], r["policy"]): r for r in b["rows"]}
+    rr, ca = rows["shared prefix", "round_robin"], rows["shared prefix", "cache_aware"]
+    share = ca["prefill tokens"] / rr["prefill tokens"]
+    quoted(text, r"cache-aware routing computes about a fifth of round-robin's prefill tokens")
+    assert 0.15 <= share <= 0.25, (
+        f"stage07b.json: cache-aware computes {share:.2f} of round-robin's prefill, not a fifth"
+    )
+    m = quoted(text, r"about (\d+\.\d+)× round-robin's \((\d+\.\d+) against (\d+\.\d+) req/s in the\s+benchmark's run")
+    want = [ca["knee (req/s)"] / rr["knee (req/s)"], ca["knee (req/s)"], rr["knee (req/s)"]]
+    check(m.groups(), want, "stage07b.json shared-prefix knees")
+    gains = [
+        rows["shared prefix", p]["knee (req/s)"] / rr["knee (req/s)"] - 1
+        for p in ("least_outstanding", "power_of_two", "session_affinity")
+    ]
+    m = quoted(
+        text, r"least-outstanding, power of two and session affinity, with less or no locality, gain (\d+)–(\d+) %"
+    )
+    check(m.groups(), [min(gains), max(gains)], "stage07b.json knee gains over round-robin", 100)
+    m = quoted(text, r"loses badly \(a knee of (\d+\.\d+)× round-robin's in the run of 28 November\)")
+    nr = rows["no reuse", "cache_aware"]["knee (req/s)"] / rows["no reuse", "round_robin"]["knee (req/s)"]
+    check(m.groups(), [nr], "stage07b.json no-reuse cache-aware/round-robin knee")
+
+
+def test_fleet_lab5_quotes_the_disaggregation_benchmark():
+    text, b = handout("stage07_tensor_parallel/fleet/lab5.ipynb"), bench("stage07b_disagg")
+    knees, planner = b["simulated"]["knees"], b["simulated"]["planner"]["loose"]
+    m = quoted(text, r"(\d+\.\d+) req/s colocated, (\d+\.\d+) for 2P:2D, (\d+\.\d+) predicted by the planner")
+    check(
+        m.groups(),
+        [knees["loose / colocated"], knees["loose / 2P:2D"], planner["goodput"]],
+        "stage07b_disagg.json knees",
+    )
+    m = quoted(text, r"2P:2D's knee (\d+\.\d+) req/s vs colocated (\d+\.\d+): (\d+\.\d+)× \(simulated\)")
+    want = [knees["loose / 2P:2D"], knees["loose / colocated"], knees["loose / 2P:2D"] / knees["loose / colocated"]]
+    check(m.groups(), want, "stage07b_disagg.json knees")
+    sim = {r["mode"]: r for r in b["rows"] if r["part"] == "simulated"}
+    co, split = sim["colocated"], sim["2P:2D"]
+    m = quoted(
+        text,
+        r"p99 ITL (\d+) ms vs (\d+) ms at (\d+\.\d+) req/s \(half colocated's knee\), but ([\d,]+) ms vs (\d+) ms at"
+        r" (\d+\.\d+) req/s",
+    )
+    want = [split["itl_p99_ms"], co["itl_p99_ms"], co["at req/s"], split["itl_p99_ms (knee)"], co["itl_p99_ms (knee)"]]
+    check(m.groups(), want + [co["at colocated's knee req/s"]], "stage07b_disagg.json simulated ITL")
+    measured = [r for r in b["rows"] if r["part"] == "measured"]
+    dis = [r for r in measured if r["mode"] == "disaggregated"]
+    col = [r for r in measured if r["mode"] == "colocated"]
+    m = quoted(
+        text,
+        r"1st->2nd token (\d+\.\d+)-(\d+\.\d+) ms vs (\d+\.\d+)-(\d+\.\d+) ms colocated for (\d+)-(\d+)-token prompts;"
+        r" (\d+\.\d+)-(\d+\.\d+) MB in (\d+\.\d+)-(\d+\.\d+) ms, (\d+)-(\d+)× the floor",
+    )
+
+    def span(rows, key, scale=1.0):
+        return [min(r[key] for r in rows) * scale, max(r[key] for r in rows) * scale]
+
+    want = span(dis, "second_token_gap_ms") + span(col, "second_token_gap_ms") + span(measured, "prompt_tokens")
+    want += span(dis, "transfer_bytes", 1e-6) + span(dis, "transfer_ms") + span(dis, "transfer vs floor")
+    check(m.groups(), want, "stage07b_disagg.json measured rows")
