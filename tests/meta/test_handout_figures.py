@@ -1,7 +1,12 @@
 """The figures a handout quotes under "What you should see" from shipped artefacts (a trained head's report in
 labkit/assets, a benchmark's JSON in bench_results) are the artefacts' own: a retrained head or a re-run
 benchmark that moves them fails here until the text follows. Figures a learner's own run prints are not
-shipped and are not checked here."""
+shipped and are not checked here.
+
+Every handout's measured figures are checked except those of stage02_kv_cache/lab.ipynb, stage04_batching/lab5.ipynb
+and stage07's pipeline/lab6, context/lab7 and moe/lab8, and figures from bench_results/decode*.json, stage04c.json,
+stage07c.json and serve.json: those were being rewritten when this sweep was made (issue 62), and wait for their turn.
+A figure the text quotes from a run nobody shipped is reworded or pointed at the JSON that holds it."""
 
 import json
 import re
@@ -734,3 +739,23 @@ def test_fleet_lab5_quotes_the_disaggregation_benchmark():
     want = span(dis, "second_token_gap_ms") + span(col, "second_token_gap_ms") + span(measured, "prompt_tokens")
     want += span(dis, "transfer_bytes", 1e-6) + span(dis, "transfer_ms") + span(dis, "transfer vs floor")
     check(m.groups(), want, "stage07b_disagg.json measured rows")
+
+
+def test_stage04_lab3_quotes_the_shipped_adapters_report():
+    text = handout("stage04_batching/lab3.ipynb")
+    lora = json.loads((ROOT / "labkit" / "assets" / "training_report.json").read_text())["lora"]
+    m = quoted(text, r"Zoe (\d+) → (\d+) %,\s+\"!\" (\d+) → (\d+) %, turtles (\d+) → (\d+) %")
+    want = [lora[a][k] for a in ("zoe", "excited", "turtles") for k in ("sampled_base", "sampled_adapter")]
+    check(m.groups(), want, "training_report.json lora sampled pattern rates", 100)
+    m = quoted(
+        text, r"Each pattern appears in the greedy text with its adapter \((\d+) %\) and not without it \((\d+) %\)"
+    )
+    for a in lora.values():
+        check(m.groups(), [a["greedy_adapter"], a["greedy_base"]], f"training_report.json lora {a['pattern']}", 100)
+
+
+def test_stage06_lab4_quotes_the_early_exit_benchmark():
+    text = handout("stage06_speculative/lab4.ipynb")
+    exits = [r["speedup"] for r in bench("stage06_real")["rows"] if r["variant"].startswith("early exit")]
+    m = quoted(text, r"untrained early-exit draft at (\d+\.\d+)–(\d+\.\d+)× plain decoding")
+    check(m.groups(), [min(exits), max(exits)], "stage06_real.json early-exit speedups")
