@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import torch
 
 from labkit import bench, plot
@@ -112,28 +113,33 @@ def serving(ggufs: dict[str, Path], repeats: int, max_tokens: int) -> tuple[list
                 for conc in (1, 4, 8):
                     for name, (url, _, _) in servers.items():
                         body = workload(max(conc, 4), max_tokens)
-                        runs.setdefault((name, conc), []).append(asyncio.run(loadtest.run(url, body, conc)))
+                        try:
+                            result = asyncio.run(loadtest.run(url, body, conc))
+                        except httpx.HTTPError as e:  # a dropped connection fails the run, not the benchmark
+                            result = {"failed": len(body), "error": f"{type(e).__name__}: {e}"}
+                        runs.setdefault((name, conc), []).append(result)
             log = next((v[2].read_text() for k, v in servers.items() if k.startswith("llama-server")), "")
         finally:
             for _, proc, _ in servers.values():
                 proc.terminate()
                 proc.wait(30)
-    info = {"llama_server_system_info": re.findall(r"system_info:.*", log)[:1],
+    info = {"llama_server_system_info": re.findall(r"system[_ ]info:.*", log, re.IGNORECASE)[:1],
             "llama_server_build": re.findall(r"build: .*", log)[:1]}  # fmt: skip
     config = json.loads((require_real_model() / "config.json").read_text())
     from labkit.model import Config
 
     params = num_params(Config.from_hf(config))
     rows = []
-    for (name, conc), results in runs.items():
+    for (name, conc), runs_of_row in runs.items():
+        results = [r for r in runs_of_row if "tokens_per_s" in r] or [{"tokens_per_s": float("nan")}]
         precision = "q8_0" if "q8_0" in name.lower() else "none"
         tps = statistics.median(r["tokens_per_s"] for r in results)
         # one decode step of `conc` chats reads the weights once: conc tokens per weight read at best
         floor = floors.row(conc / tps, bytes=params * BYTES_PER_WEIGHT[precision])
         rows.append({"server": name, "chats": conc, "tokens/s": round(tps, 1),
-                     "TTFT p50 ms": round(statistics.median(r["ttft_p50_ms"] for r in results), 1),
-                     "TPOT p50 ms": round(statistics.median(r["tpot_p50_ms"] for r in results), 1),
-                     "failed": sum(r["failed"] for r in results), "repeats": len(results),
+                     "TTFT p50 ms": round(statistics.median(r.get("ttft_p50_ms", float("nan")) for r in results), 1),
+                     "TPOT p50 ms": round(statistics.median(r.get("tpot_p50_ms", float("nan")) for r in results), 1),
+                     "failed": sum(r["failed"] for r in runs_of_row), "repeats": len(results),
                      **{f"step {k}": v for k, v in floor.items()}})  # fmt: skip
     return rows, info
 
