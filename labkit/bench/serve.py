@@ -222,6 +222,9 @@ def main(quick: bool = False) -> bench.Result:
         tmp = tempfile.TemporaryDirectory()
         src = installed_gguf()
         ggufs = {mix: requantize(src, Path(tmp.name) / f"{mix}.gguf", mix) for mix in ("F32", "Q8_0")}
+        import llama_cpp  # this llama-server prints no system info: the same llama.cpp's, built by make llamacpp
+
+        figures["llama_print_system_info"] = llama_cpp.llama_print_system_info().decode()
         stamp = ROOT / ".venv" / ".llamacpp-build"  # make llamacpp's record: the sdist's version, vendored commit
         figures["llama_cpp_sdist"] = json.loads(stamp.read_text()) if stamp.is_file() else "unknown"
         figures["llama_cpp_build"] = {"cmake": "-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF",
