@@ -103,8 +103,11 @@ def profile_step(step) -> list[dict]:
 
 
 def course_decoders(model, contexts: list[int]) -> dict[str, StaticDecoder]:
-    """One compiled cpp decoder per precision, each with a cache long enough for the longest context."""
-    return {w: StaticDecoder(model, model.new_cache(1, max(contexts) + 1), "compile", weights=w, kernels="cpp")
+    """One compiled cpp decoder per precision, each with a cache long enough for the longest context. Its
+    window is the whole cache: the cpp attention loops over the keys written so far whatever the window
+    (only PyTorch's masked one reads the window), so one compile serves every context."""
+    n = max(contexts) + 1
+    return {w: StaticDecoder(model, model.new_cache(1, n), "compile", window=n, weights=w, kernels="cpp")
             for w in COURSE}  # fmt: skip
 
 
