@@ -34,6 +34,7 @@ from labkit import bench, plot
 from labkit.bench import floors, loadtest
 from labkit.checkpoint import load_tokenizer, require_real_model
 
+from .llamacpp_worker import requantize
 from .stage04_real import QUESTIONS, chat
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,20 +47,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def requantize(src: Path, out: Path, mix: str) -> Path:
-    """llama.cpp's quantizer (llama-cpp-python), every matrix at `mix` (pure: the LM head too)."""
-    import ctypes
-
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, "LLAMA_FTYPE_ALL_F32" if mix == "F32" else f"LLAMA_FTYPE_MOSTLY_{mix}")
-    params.allow_requantize, params.pure = True, True
-    if llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params)) != 0:
-        raise RuntimeError(f"llama.cpp could not quantize {src} to {mix}")
-    return out
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
