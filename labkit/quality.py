@@ -51,39 +51,6 @@ def greedy_agreement(a, b, windows: torch.Tensor, batch: int = 4) -> float:
     return same / count
 
 
-# The serving guide's deploy gate, with the bounds stage 03's evaluate.quality_gate defaults to: a served candidate
-# may raise held-out perplexity by at most 1 % and disagree with the float model's greedy token at most 5 % of
-# positions. Stage 03's learner writes its own; this copy lets other stages gate what they serve.
-GATE_MAX_PPL_INCREASE_PCT = 1.0
-GATE_MAX_TOP1_DISAGREEMENT = 0.05
-
-
-def divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
-    """Mean KL(p_ref || p) per position (nats) and the top-1 agreement, from logits (..., V)."""
-    ref, got = F.log_softmax(reference_logits.float(), -1), F.log_softmax(logits.float(), -1)
-    kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
-    return kl, (reference_logits.argmax(-1) == logits.argmax(-1)).float().mean().item()
-
-
-def deploy_gate(
-    baseline_ppl: float,
-    ppl: float,
-    top1_agreement: float,
-    max_ppl_increase_pct: float = GATE_MAX_PPL_INCREASE_PCT,
-    max_top1_disagreement: float = GATE_MAX_TOP1_DISAGREEMENT,
-) -> tuple[bool, list[str]]:
-    """(passed, reasons): pass iff perplexity rose by at most max_ppl_increase_pct % and the greedy disagreement
-    with the baseline is at most max_top1_disagreement; one reason a check, "ok: " or "BLOCK: " first."""
-    increase, disagreement = 100 * (ppl / baseline_ppl - 1), 1 - top1_agreement
-    checks = [
-        (increase <= max_ppl_increase_pct, f"perplexity {baseline_ppl:.3f} -> {ppl:.3f} "
-         f"({increase:+.2f} %, bound +{max_ppl_increase_pct} %)"),
-        (disagreement <= max_top1_disagreement, f"top-1 disagreement {disagreement:.2%} "
-         f"(bound {max_top1_disagreement:.2%})"),
-    ]  # fmt: skip
-    return all(ok for ok, _ in checks), [("ok: " if ok else "BLOCK: ") + text for ok, text in checks]
-
-
 def decode_step_seconds(model, context: int = 128, repeats: int = 30) -> float:
     """Median seconds of one cached decode step (batch 1) at position `context`."""
     return measure(decode_step(model, context), repeats=repeats, warmup=5).median

@@ -14,7 +14,8 @@ B. Long-context decode: one sequence at 1k, 2k and 4k cached tokens (random keys
    the three formats in turn, median of repeats; its floor reads the weights and the pool's bytes for that context
    (1 byte an element, plus int8's scales). Also the attention alone (every layer's cache.read + paged_attention)
    against the bytes of K/V.
-C. The quality gate (labkit.quality.deploy_gate, stage 03's bounds) through the engine: forward_paged over
+C. Stage 03's quality gate (evaluate.divergence and quality_gate, loaded as stage code is: IMPL=student runs
+   yours) through the engine: forward_paged over
    held-out windows, every key and value read back from the pool, against the float32 pool's logits:
    perplexity, top-1 agreement and mean KL per token. fp8's scales are fixed first by a short chat prompt
    (a server's first request); per head (the engine's) and per tensor (vLLM's default layout). The engine serves
@@ -172,8 +173,12 @@ CONFIGS = [
 ]
 
 
+GATE_BOUNDS = {"max_ppl_increase_pct": 1.0, "max_top1_disagreement": 0.05}  # stage 03's quality_gate defaults
+
+
 def gate(model, tok, n_tokens: int) -> list[dict]:
     """C. The deploy gate's figures for each served configuration against the float32 pool."""
+    evaluate, nan = load("stage03_quantization.evaluate"), float("nan")  # the gate is stage 03's lesson, not labkit's
     windows = quality.heldout(tok, n_tokens=n_tokens, seq=256)
     targets = windows[:, 1:]
     variants = {w: rounded_weights(model, w) for w in ("q8_0", "q4_1")}
@@ -189,8 +194,9 @@ def gate(model, tok, n_tokens: int) -> list[dict]:
 
     rows, base_ppl = [], ppl(base)
     for name, x in logits.items():
-        kl, top1 = quality.divergence(base, x)
-        passed, reasons = quality.deploy_gate(base_ppl, ppl(x), top1)
+        kl, top1 = evaluate.divergence(base, x)
+        verdict = evaluate.quality_gate(evaluate.Report(base_ppl, 0, nan), evaluate.Report(ppl(x), 0, nan, kl, top1))
+        passed, reasons = verdict.passed, verdict.reasons
         rows.append({
             "configuration": name, "perplexity": round(ppl(x), 4), "ppl increase %": round(100 * (ppl(x) / base_ppl - 1), 3),
             "top-1 agreement": round(top1, 4), "mean KL nats": float(f"{kl:.3g}"), "gate": "pass" if passed else "BLOCK",
@@ -218,8 +224,7 @@ def measure(model, tok, folder, quick: bool) -> bench.Result:
     print(bench.table([{k: v for k, v in r.items() if k != "reasons"} for r in gates], "C. the deploy gate"))
     figures = {
         "model": which, "engine_config": ENGINE_CONFIG, "repeats": repeats, "capacity": cap, "long_context": steps, "gate": gates,
-        "gate_bounds": {"max_ppl_increase_pct": quality.GATE_MAX_PPL_INCREASE_PCT,
-                        "max_top1_disagreement": quality.GATE_MAX_TOP1_DISAGREEMENT},
+        "gate_bounds": GATE_BOUNDS,
     }  # fmt: skip
     return bench.Result(cap + steps, figures, _plot(cap, steps, gates, which))
 
@@ -246,8 +251,8 @@ def _plot(cap, steps, gates, which):
     ax_step.set(xlabel="cached tokens", ylabel="ms (dotted: floor)", title="one decode step, 1 thread")
     ax_step.legend()
     x = torch.arange(len(gates)).numpy()
-    ppl = [g["ppl increase %"] / quality.GATE_MAX_PPL_INCREASE_PCT for g in gates]
-    top1 = [(1 - g["top-1 agreement"]) / quality.GATE_MAX_TOP1_DISAGREEMENT for g in gates]
+    ppl = [g["ppl increase %"] / GATE_BOUNDS["max_ppl_increase_pct"] for g in gates]
+    top1 = [(1 - g["top-1 agreement"]) / GATE_BOUNDS["max_top1_disagreement"] for g in gates]
     ax_gate.barh(x - 0.2, ppl, 0.4, label="perplexity increase")
     ax_gate.barh(x + 0.2, top1, 0.4, label="top-1 disagreement")
     ax_gate.axvline(1, color="red", ls="--", label="the bound")
