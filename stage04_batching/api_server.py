@@ -35,7 +35,7 @@ from labkit.serving import RequestRefused, check_request, until_disconnected
 
 from .async_engine import AsyncEngine, EngineError, QueueFull, stream_events
 from .byte_dfa import compile_regex
-from .engine import LLMEngine, RequestOutput, sibling_ids
+from .engine import LLMEngine
 from .lora_engine import LoRAEngine
 from .metrics import CONTENT_TYPE
 from .protocol import (
@@ -50,6 +50,7 @@ from .protocol import (
     sse,
     validation_error,
 )
+from .sequence import RequestOutput, sibling_ids
 
 
 def _compile_worker(server_pid: int) -> None:

@@ -8,66 +8,33 @@ chunks and decodes packed together), samples a token for every sequence whose pr
 computed, and returns what changed for streaming.
 
 Given code (nano-vllm: engine/llm_engine.py); the sampling and stop-string logic it calls is yours,
-in sampling.py.
+in sampling.py. What a step reports of each request (RequestOutput) is in sequence.py beside the Sequence it
+describes; the course's token indexes for guided requests are in guided_backends.py beside the libraries'.
 """
 
 import itertools
-import threading
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
-from labkit.fast_paged import accelerate
+from labkit.fast_paged import CPP_MAX_ROWS, accelerate
 from labkit.model import Llama, apply_rope, refuse_extras
 from labkit.serving import check_request
 
 from .batch_invariant import forward_invariant
 from .block_manager import BlockManager
-from .byte_dfa import DFA, compile_regex
+from .byte_dfa import DFA
 from .config import EngineConfig
+from .guided_backends import TokenIndexes, compute_rows
 from .kv_quant import make_cache
 from .paged_attention import PagedKVCache, paged_attention, slot_mapping
 from .sampling import apply_penalties, find_stop, logprobs_of, safe_length, sample
 from .scheduler import Scheduler
-from .sequence import SamplingParams, Sequence, Status
-from .structured import Guide, TokenIndex, TokenTrie, mask_logits, token_bytes, token_trie
-
-
-@dataclass
-class TokenLogprob:
-    """One token's log-probability under the model (before any sampling setting) and the `k` most likely
-    tokens of the same position, most likely first."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # every output token so far
-    text: str  # detokenized output so far ("" without a tokenizer)
-    delta_text: str  # text that is new since the last output of this request
-    finished: bool
-    finish_reason: str | None  # "stop" (EOS or a stop string), "length", "abort", "error"
-    num_cached_tokens: int
-    arrival_time: float
-    first_token_time: float | None
-    finish_time: float | None
-    error: str | None = None  # why the engine failed this request (finish_reason "error")
-    index: int = 0  # which of the request's n sequences this is (its id is sibling_ids(parent, n)[index])
-    logprobs: list[TokenLogprob] | None = None  # of every output token so far, when params.logprobs is set
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # of each prompt token (None for the first)
-
-
-# Structured output: the token indexes kept, bounded by the bytes their memoized rows hold (clients send
-# arbitrary schemas; a row costs 3 bytes per token, 147 KB on a 49,152-token vocabulary).
-TOKEN_INDEX_BUDGET_BYTES = 256 * 2**20
+from .sequence import RequestOutput, SamplingParams, Sequence, Status, TokenLogprob, sibling_ids
+from .structured import Guide, TokenIndex, TokenTrie, mask_logits
 
 # What forward_paged implements of real checkpoints' extras (labkit.model.EXTRAS).
 SUPPORTED_EXTRAS = ("attention_bias", "o_proj_bias", "mlp_bias", "qk_norm", "rope_scaling")
@@ -154,28 +121,15 @@ def run_batch(
     )
 
 
-def _compute_rows(guides: list[Guide]) -> None:
-    """Compute (and memoize) the row each guide will ask for; a row that fails here fails again, for its own
-    request only, when _constrain asks for it."""
-    for guide in guides:
-        try:
-            guide.allowed()
-        except Exception:
-            pass
-
-
-def sibling_ids(request_id: str, n: int) -> list[str]:
-    """The ids of a request's n sequences: its own, then one per extra sample (parallel sampling)."""
-    return [request_id] + [f"{request_id}-{i}" for i in range(1, n)]
-
-
 class LLMEngine:
     def __init__(self, model: Llama, tokenizer=None, config: EngineConfig | None = None, **settings):
         """model: labkit Llama (eval); tokenizer: a `tokenizers.Tokenizer`, needed for str prompts and text.
         config: the engine's settings (config.py); keyword settings override fields of it (num_blocks=64)."""
         self.config = c = (config or EngineConfig()).replace(**settings)
         # the same model, its linear layers through labkit.cpu_kernels (fast_paged.py): config.kernels, quantization
-        self.model = accelerate(model.eval(), c.kernels, None if c.quantization == "none" else c.quantization)
+        # batch-invariant: every pass, a prefill chunk too, through the kernels, whose sums do not depend on the rows
+        rows = math.inf if c.batch_invariant else CPP_MAX_ROWS
+        self.model = accelerate(model.eval(), c.kernels, None if c.quantization == "none" else c.quantization, rows)
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(c.num_blocks, c.block_size, c.enable_prefix_caching)
         self.cache = make_cache(
@@ -194,9 +148,8 @@ class LLMEngine:
         # `labkit.bench.loadtest --chaos` set it to make a chosen request fail inside step().
         self.fault_hook: Callable[[Sequence], None] | None = None
         # Structured output (part 2): token indexes by pattern, least recently used first; rows fill lazily.
-        self.token_indexes: dict[str | bytes, TokenIndex] = {}
-        self._vocab_trie: TokenTrie | None = None
-        self._index_lock = threading.Lock()  # the server compiles on worker threads while the engine steps
+        self.indexes = TokenIndexes(model.config.vocab_size, model.config.eos_token_id)
+        self.token_indexes = self.indexes.by_pattern
         self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="masks")  # rows computed beside the forward
         self.guided_backend = None  # a guided_backends.LibraryBackend; None: the course's own token index
 
@@ -242,31 +195,13 @@ class LLMEngine:
 
     def vocab_trie(self) -> TokenTrie:
         """The trie of the vocabulary's bytes that every token index walks (built once, on first use)."""
-        with self._index_lock:
-            if self.tokenizer is None:
-                raise ValueError("guided_regex needs an engine with a tokenizer (tokens are matched as bytes)")
-            if self._vocab_trie is None:
-                self._vocab_trie = token_trie(token_bytes(self.tokenizer, self.model.config.vocab_size))
-            return self._vocab_trie
+        return self.indexes.vocab_trie(self.tokenizer)
 
     def token_index(self, pattern: str | bytes, dfa: DFA | None = None) -> TokenIndex:
         """The token index of a guided_regex (compiled once per pattern, then cached; its rows are computed
         as sequences reach their states). Raises ValueError for a pattern byte_dfa cannot compile within
         its budgets. The server compiles `dfa` in another process and hands it in before submitting."""
-        with self._index_lock:
-            index = self.token_indexes.pop(pattern, None)
-            if index is not None:
-                self.token_indexes[pattern] = index  # most recently used goes last
-                return index
-        trie = self.vocab_trie()
-        # Outside the lock: compiling takes up to a second, and other patterns' requests must not queue behind it.
-        dfa = dfa or compile_regex(pattern)
-        index = TokenIndex(dfa, trie, self.model.config.vocab_size, self.model.config.eos_token_id)
-        with self._index_lock:
-            index = self.token_indexes.setdefault(pattern, index)
-            while sum(i.nbytes for i in self.token_indexes.values()) > TOKEN_INDEX_BUDGET_BYTES:
-                self.token_indexes.pop(next(iter(self.token_indexes)))
-        return index
+        return self.indexes.get(pattern, self.tokenizer, dfa)
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is and free its blocks (unknown or finished ids are ignored).
@@ -306,7 +241,7 @@ class LLMEngine:
         # thread while the forward pass runs (NumPy and PyTorch release the GIL), so a guided step costs the
         # slower of the two, not their sum (XGrammar overlaps its CPU masks with the GPU's forward the same way).
         guides = [s.guide for s in batch.seqs if s.guide is not None]
-        masks = self._mask_thread.submit(_compute_rows, guides) if guides else None
+        masks = self._mask_thread.submit(compute_rows, guides) if guides else None
         chunks = self._forward(batch.seqs, batch.num_tokens)
         if masks is not None:
             masks.result()
@@ -339,18 +274,12 @@ class LLMEngine:
     def _schedule(self):
         """The scheduler's batch. A prompt whose logprobs are asked for must be computed, not read from the
         prefix cache (vLLM skips the cache for those requests too), so a step that may admit one reads none."""
-        skip = self.block_manager.enable_prefix_caching and any(
-            self._wants_prompt_rows(s) for s in self.scheduler.waiting
-        )
+        skip = self.block_manager.enable_prefix_caching and any(s.wants_prompt_rows for s in self.scheduler.waiting)
         self.block_manager.enable_prefix_caching = not skip and self.config.enable_prefix_caching
         try:
             return self.scheduler.schedule()
         finally:
             self.block_manager.enable_prefix_caching = self.config.enable_prefix_caching
-
-    @staticmethod
-    def _wants_prompt_rows(seq: Sequence) -> bool:
-        return seq.params.prompt_logprobs is not None and len(seq.prompt_logprobs) < seq.num_prompt_tokens
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Parallel sampling: the siblings of a parent whose prompt is now computed join the running batch,
@@ -381,7 +310,7 @@ class LLMEngine:
 
     def _record_prompt_logprobs(self, seq: Sequence, chunk: torch.Tensor) -> None:
         """Logprobs of the prompt tokens this chunk's rows predict: the row at position p predicts token p + 1."""
-        if not self._wants_prompt_rows(seq):
+        if not seq.wants_prompt_rows:
             return
         start, done = seq.num_computed_tokens, len(seq.prompt_logprobs)
         lo, hi = max(done - 1, start), min(start + len(chunk), seq.num_prompt_tokens - 1)
@@ -415,7 +344,7 @@ class LLMEngine:
                 if self.fault_hook is not None:
                     self.fault_hook(seq)
             self.before_forward(group, counts)
-            wants = [self._wants_prompt_rows(s) for s in group]
+            wants = [s.wants_prompt_rows for s in group]
             logits = run_batch(self.model, self.cache, group, counts, wants, self.forward)
             return list(logits.split([n if w else 1 for n, w in zip(counts, wants, strict=True)]))
 
@@ -465,7 +394,7 @@ class LLMEngine:
             self.scheduler.finish(seq, "error")
         self.requests.pop(seq.request_id, None)
         seq.finish_time = time.perf_counter()
-        return self._output(seq, "", "error", error=f"{type(e).__name__}: {e}")
+        return seq.output("", "error", error=f"{type(e).__name__}: {e}")
 
     def generate(
         self, prompts: list[str] | list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
@@ -491,7 +420,7 @@ class LLMEngine:
         elif len(seq.output_token_ids) >= p.max_tokens:
             reason = "length"
         if self.tokenizer is not None:
-            self._detokenize(seq, final=reason is not None)
+            seq.detokenize(self.tokenizer, final=reason is not None)
             cut = find_stop(seq.text, p.stop)
             if cut is not None:
                 seq.text, reason = seq.text[:cut], "stop"
@@ -501,38 +430,4 @@ class LLMEngine:
             seq.finish_time = time.perf_counter()
         end = len(seq.text) if reason else safe_length(seq.text, p.stop)
         delta, seq.num_sent_chars = seq.text[seq.num_sent_chars : end], max(end, seq.num_sent_chars)
-        return self._output(seq, delta, reason)
-
-    def _detokenize(self, seq: Sequence, final: bool) -> None:
-        """Append the new token's text to seq.text, decoding only the last few tokens (vLLM's incremental
-        detokenizer: decoding the whole output every token cost O(length) a token). Tokens [a, b) were decoded
-        already and give the new ones their context (a leading space, a byte-level character's first bytes);
-        text is held back while it ends in an incomplete UTF-8 character, and the final token decodes it all."""
-        ids = seq.output_token_ids
-        if final:
-            seq.text = self.tokenizer.decode(ids)
-            return
-        a, b = seq.detok_offsets
-        before, now = self.tokenizer.decode(ids[a:b]), self.tokenizer.decode(ids[a:])
-        if len(now) > len(before) and not now.endswith("\ufffd"):
-            seq.text += now[len(before) :]
-            seq.detok_offsets = (b, len(ids))
-
-    def _output(self, seq: Sequence, delta: str, reason: str | None, error: str | None = None) -> RequestOutput:
-        return RequestOutput(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-            token_ids=seq.output_token_ids,
-            text=seq.text,
-            delta_text=delta,
-            finished=reason is not None,
-            finish_reason=reason,
-            num_cached_tokens=seq.num_cached_tokens,
-            arrival_time=seq.arrival_time,
-            first_token_time=seq.first_token_time,
-            finish_time=seq.finish_time,
-            error=error,
-            index=seq.index,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
-        )
+        return seq.output(delta, reason)

@@ -21,7 +21,60 @@ import threading
 import numpy as np
 import torch
 
+from .byte_dfa import DFA, compile_regex
+from .structured import TokenIndex, TokenTrie, token_bytes, token_trie
+
 BACKENDS = ("course", "llguidance", "xgrammar")
+
+# The course's backend: the token indexes kept, bounded by the bytes their memoized rows hold (clients send
+# arbitrary schemas; a row costs 3 bytes per token, 147 KB on a 49,152-token vocabulary).
+TOKEN_INDEX_BUDGET_BYTES = 256 * 2**20
+
+
+def compute_rows(guides: list) -> None:
+    """Compute (and memoize) the row each guide will ask for; a row that fails here fails again, for its own
+    request only, when the engine masks its logits."""
+    for guide in guides:
+        try:
+            guide.allowed()
+        except Exception:
+            pass
+
+
+class TokenIndexes:
+    """The course's own backend behind LLMEngine.token_index: one structured.TokenIndex per pattern, least
+    recently used first, over one trie of the vocabulary's bytes. The server compiles on worker threads while
+    the engine steps, hence the lock."""
+
+    def __init__(self, vocab_size: int, eos_token_id: int):
+        self.vocab_size, self.eos_token_id = vocab_size, eos_token_id
+        self.by_pattern: dict[str | bytes, TokenIndex] = {}
+        self.trie: TokenTrie | None = None
+        self.lock = threading.Lock()
+
+    def vocab_trie(self, tokenizer) -> TokenTrie:
+        with self.lock:
+            if tokenizer is None:
+                raise ValueError("guided_regex needs an engine with a tokenizer (tokens are matched as bytes)")
+            if self.trie is None:
+                self.trie = token_trie(token_bytes(tokenizer, self.vocab_size))
+            return self.trie
+
+    def get(self, pattern: str | bytes, tokenizer, dfa: DFA | None = None) -> TokenIndex:
+        with self.lock:
+            index = self.by_pattern.pop(pattern, None)
+            if index is not None:
+                self.by_pattern[pattern] = index  # most recently used goes last
+                return index
+        trie = self.vocab_trie(tokenizer)
+        # Outside the lock: compiling takes up to a second, and other patterns' requests must not queue behind it.
+        dfa = dfa or compile_regex(pattern)
+        index = TokenIndex(dfa, trie, self.vocab_size, self.eos_token_id)
+        with self.lock:
+            index = self.by_pattern.setdefault(pattern, index)
+            while sum(i.nbytes for i in self.by_pattern.values()) > TOKEN_INDEX_BUDGET_BYTES:
+                self.by_pattern.pop(next(iter(self.by_pattern)))
+        return index
 
 
 class LibraryGuide:

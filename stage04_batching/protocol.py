@@ -20,8 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from labkit.serving import invalid_field
 
-from .engine import RequestOutput, TokenLogprob
-from .sequence import SamplingParams
+from .sequence import RequestOutput, SamplingParams, TokenLogprob
 from .structured import inline_refs, schema_to_regex
 
 

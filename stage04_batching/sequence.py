@@ -1,4 +1,5 @@
-"""One request as the engine sees it: its tokens, how many have KV in the cache, its block table."""
+"""One request as the engine sees it: its tokens, how many have KV in the cache, its block table; and what the
+engine reports of it after each step (RequestOutput)."""
 
 import enum
 import time
@@ -54,6 +55,40 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class TokenLogprob:
+    """One token's log-probability under the model (before any sampling setting) and the `k` most likely
+    tokens of the same position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every output token so far
+    text: str  # detokenized output so far ("" without a tokenizer)
+    delta_text: str  # text that is new since the last output of this request
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS or a stop string), "length", "abort", "error"
+    num_cached_tokens: int
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float | None
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
+    index: int = 0  # which of the request's n sequences this is (its id is sibling_ids(parent, n)[index])
+    logprobs: list[TokenLogprob] | None = None  # of every output token so far, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # of each prompt token (None for the first)
+
+
+def sibling_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's n sequences: its own, then one per extra sample (parallel sampling)."""
+    return [request_id] + [f"{request_id}-{i}" for i in range(1, n)]
+
+
 class Sequence:
     """token_ids = prompt + output so far. Positions [0, num_computed_tokens) have K/V in the paged cache;
     the next step computes [num_computed_tokens, num_computed_tokens + n) for the n tokens it schedules.
@@ -78,7 +113,7 @@ class Sequence:
         self.index = index  # which of the request's n samples (n > 1), each seeded seed + index as vLLM does
         seed = params.seed if params.seed is None or not index else (params.seed + index) % 2**64
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        self.logprobs: list = []  # engine.TokenLogprob of each output token, when params.logprobs is set
+        self.logprobs: list = []  # TokenLogprob of each output token, when params.logprobs is set
         self.prompt_logprobs: list = [None]  # ... of each prompt token, when params.prompt_logprobs is set
         self.arrival_time = time.perf_counter()
         self.first_token_time: float | None = None
@@ -96,9 +131,50 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def wants_prompt_rows(self) -> bool:
+        """Its prompt logprobs are asked for and not all computed yet: every prompt position needs its row."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
     def num_blocks_needed(self, block_size: int) -> int:
         """Blocks that hold every token so far (ceil(num_tokens / block_size))."""
         return -(-self.num_tokens // block_size)
+
+    def detokenize(self, tokenizer, final: bool) -> None:
+        """Append the new token's text to self.text, decoding only the last few tokens (vLLM's incremental
+        detokenizer: decoding the whole output every token cost O(length) a token). Tokens [a, b) were decoded
+        already and give the new ones their context (a leading space, a byte-level character's first bytes);
+        text is held back while it ends in an incomplete UTF-8 character, and the final token decodes it all."""
+        ids = self.output_token_ids
+        if final:
+            self.text = tokenizer.decode(ids)
+            return
+        a, b = self.detok_offsets
+        before, now = tokenizer.decode(ids[a:b]), tokenizer.decode(ids[a:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.text += now[len(before) :]
+            self.detok_offsets = (b, len(ids))
+
+    def output(self, delta: str, reason: str | None, error: str | None = None) -> RequestOutput:
+        """What the engine reports of this sequence now: `delta` the text new since its last report, `reason`
+        why it finished (None: it runs on), `error` why the engine failed it."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.token_ids[: self.num_prompt_tokens],
+            token_ids=self.output_token_ids,
+            text=self.text,
+            delta_text=delta,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_cached_tokens=self.num_cached_tokens,
+            arrival_time=self.arrival_time,
+            first_token_time=self.first_token_time,
+            finish_time=self.finish_time,
+            error=error,
+            index=self.index,
+            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+            prompt_logprobs=list(self.prompt_logprobs) if self.params.prompt_logprobs is not None else None,
+        )
 
     def __repr__(self) -> str:
         return (
