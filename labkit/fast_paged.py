@@ -17,10 +17,12 @@ runs exactly as before, so a learner's finished engine gets the same speed.
 - quantization="q8_0" / "q4_1" (GGUF's type names): every matrix quantized once to llama.cpp's blocks of
   32, and every pass, long or short, runs the integer loops (the float weights stay in the model).
 - The per-row summation order of every loop depends on neither the number of rows nor the thread split,
-  so a row gets the same bits in any batch that takes the same path.
+  so a row gets the same bits in any batch that takes the same path; with max_rows=math.inf every pass
+  takes it (row_invariant), which is how stage 04's batch-invariant mode runs on the kernels.
 """
 
 import copy
+import math
 import weakref
 
 import torch
@@ -57,37 +59,40 @@ class PackedLinear(nn.Linear):
             for stale in [k for k in packs if k[1] != key[1]]:
                 del packs[stale]
             w = base.weight.detach()
-            packs[key] = {None: lambda: (cpu_kernels.pack_f32(w),), "q8_0": lambda: cpu_kernels.quantize_q8_0(w),
+            padded = F.pad(w, (0, 0, 0, -w.shape[0] % cpu_kernels.MR))  # zero rows to whole panels of 16
+            packs[key] = {None: lambda: (cpu_kernels.pack_f32(padded),), "q8_0": lambda: cpu_kernels.quantize_q8_0(w),
                           "q4_1": lambda: cpu_kernels.quantize_q4_1(w)}[quantization]()  # fmt: skip
         self.packed = packs[key]
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether every pass runs the kernels, whose sum for a row depends on neither the other rows nor the
+        threads (a float32 pass of more than max_rows rows takes PyTorch's GEMM, whose order may)."""
+        return self.quantization is not None or self.max_rows == math.inf
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         if self.quantization is None and len(flat) > self.max_rows:
             return F.linear(x, self.weight, self.bias)
-        y = self.op(flat.float(), *self.packed)
+        y = self.op(flat.float(), *self.packed)[:, : self.out_features]  # a padded panel's zero rows dropped
         if self.bias is not None:
             y = y + self.bias
-        return y.view(*x.shape[:-1], -1).to(x.dtype)
+        return y.reshape(*x.shape[:-1], -1).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, quantization={self.quantization or 'f32'}"
 
 
 def fits(linear: nn.Linear, quantization: str | None) -> bool:
-    """Whether the kernels take this matrix: float32, inputs a multiple of 32 (quantized) or 8, outputs of 4."""
+    """Whether the kernels take this matrix: float32 of any shape (its last panel padded with zero rows), or
+    quantized with inputs a multiple of 32 (the blocks) and outputs of 4."""
     out, inp = linear.weight.shape
-    block = cpu_kernels.BLOCK if quantization else 8
-    return (
-        linear.weight.dtype == torch.float32
-        and linear.weight.device.type == "cpu"
-        and inp % block == 0
-        and out % 4 == 0
-    )
+    shape_ok = inp % cpu_kernels.BLOCK == 0 and out % 4 == 0 if quantization else True
+    return linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu" and shape_ok
 
 
 def accelerate(model: Llama, kernels: str = "cpp", quantization: str | None = None,
-               max_rows: int = CPP_MAX_ROWS) -> Llama:  # fmt: skip
+               max_rows: float = CPP_MAX_ROWS) -> Llama:  # fmt: skip
     """A Llama sharing every parameter of `model` whose linear layers run labkit.cpu_kernels (see the module
     docstring); `model` itself is left as it was. kernels="torch" without quantization returns `model`."""
     if kernels not in KERNELS:

@@ -12,6 +12,9 @@ Here every reduction a token's result passes through runs in an order fixed by t
 - split_kv_attention: keys are summed in fixed splits of `split` positions counted from position 0, the
   splits' partial sums added in order (FlashDecoding's split-KV with a fixed split size), each sequence's
   queries in products of at least `min_rows` rows;
+- where the engine runs labkit's kernels (labkit/fast_paged.py), their float32 loop already sums each row
+  in one order, one running sum per output, at any row count and thread count: forward_invariant takes
+  them there (_linear), and linear_padded elsewhere;
 - RMSNorm and the softmax of the logprobs already reduce each row on its own on a CPU (lab4.ipynb §1
   measures it), so forward_invariant keeps labkit's.
 
@@ -87,7 +90,8 @@ def forward_invariant(
     keep: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """engine.forward_paged (same arguments, same result up to rounding) with every matmul through linear_padded
-    and attention through split_kv_attention: each token's logits are the same bits in any batch."""
+    (or labkit's kernels, see _linear) and attention through split_kv_attention: each token's logits are the
+    same bits in any batch."""
     c = model.config
     N = len(input_ids)
     x = model.model.embed_tokens(input_ids)  # (N, hidden)
@@ -95,22 +99,31 @@ def forward_invariant(
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         h = layer.input_layernorm(x)
-        q = linear_padded(h, attn.q_proj.weight, attn.q_proj.bias).view(N, c.num_attention_heads, c.head_dim)
-        k = linear_padded(h, attn.k_proj.weight, attn.k_proj.bias).view(N, c.num_key_value_heads, c.head_dim)
-        v = linear_padded(h, attn.v_proj.weight, attn.v_proj.bias).view(N, c.num_key_value_heads, c.head_dim)
+        q = _linear(attn.q_proj, h).view(N, c.num_attention_heads, c.head_dim)
+        k = _linear(attn.k_proj, h).view(N, c.num_key_value_heads, c.head_dim)
+        v = _linear(attn.v_proj, h).view(N, c.num_key_value_heads, c.head_dim)
         q, k = attn.norm_qk(q, k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.write(i, k, v, slots)
         y = split_kv_attention(q, cache.k[i], cache.v[i], block_tables, context_lens, query_lens)
-        x = x + linear_padded(y.reshape(N, -1), attn.o_proj.weight, attn.o_proj.bias)
+        x = x + _linear(attn.o_proj, y.reshape(N, -1))
         h = layer.post_attention_layernorm(x)
-        gate = linear_padded(h, mlp.gate_proj.weight, mlp.gate_proj.bias)
+        gate = _linear(mlp.gate_proj, h)
         # SiLU written out: F.silu's vectorized and scalar loops round differently (lab4 §1), and which one a
         # row's last elements take depends on where the tensor ends; exp, division and products do not.
-        act = gate / (1 + torch.exp(-gate)) * linear_padded(h, mlp.up_proj.weight, mlp.up_proj.bias)
-        x = x + linear_padded(act, mlp.down_proj.weight, mlp.down_proj.bias)
+        act = gate / (1 + torch.exp(-gate)) * _linear(mlp.up_proj, h)
+        x = x + _linear(mlp.down_proj, act)
     if keep is not None:
         x = x[keep]
     elif N > len(query_lens):
         x = x[torch.cumsum(query_lens, 0) - 1]
-    return linear_padded(model.model.norm(x), model.lm_head.weight).float()
+    return _linear(model.lm_head, model.model.norm(x)).float()
+
+
+def _linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """layer(x) with each row's sums in one order whatever the batch: labkit's kernels already keep one (a
+    layer the engine accelerated with row_invariant set: one running sum per output in input order, at any
+    row count and thread count, and faster than padding a BLAS call), else linear_padded."""
+    if getattr(layer, "row_invariant", False):
+        return layer(x)
+    return linear_padded(x, layer.weight, layer.bias)

@@ -18,9 +18,13 @@ the process: bandwidth as the fastest of a copy of COPY_MB between two fresh buf
 per second), a sum over one (bytes read per second) and, past one thread, each thread summing its own
 slice at once (both reading the whole time, as two decode loops do), on 2 MB pages: the rate a streaming kernel can
 reach (on 4 kB pages this VM's copy reached two thirds of it, which labkit.cpu_kernels' read-only loops
-on huge pages beat; JSONs written before 2026-11-28 hold that copy rate),
-GEMM rate as a GEMM_N-square float32 matmul (2 n^3 FLOPs); each the fastest of REPEATS calls (JSONs
-written before 2026-12-06 hold the median of 5, and one thread summing for the two-thread rate).
+on huge pages beat; JSONs written before 2026-11-28 hold that copy rate), and labkit.cpu_kernels' own
+streaming read where it builds (on two threads torch's sums read slower than two of its matrix loops did;
+JSONs written before 2026-12-06 lack it),
+GEMM rate as the fastest float32 matmul among GEMM_SHAPES (2 m k n FLOPs): squares and a 135M model's prefill
+shapes, since MKL runs some shapes faster than others and a floor is the best of them (a 1024-square alone read
+75 GFLOP/s here where 2048 reached 90, and a prefill then beat its floor); each the fastest of REPEATS calls
+(JSONs written before 2026-12-06 hold the median of 5 of a 1024 square, and one thread summing for the two-thread rate).
 """
 
 import concurrent.futures
@@ -32,7 +36,7 @@ from ..cpu_kernels import huge_pages
 from ..timing import measure
 
 COPY_MB = 512
-GEMM_N = 1024
+GEMM_SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048), (512, 576, 576), (512, 576, 1536), (512, 1536, 576))
 REPEATS = 10
 
 
@@ -44,11 +48,26 @@ def _rates(threads: int) -> tuple[float, float, dict]:
     # work slows some calls (a median under load gave a floor that a quieter step then beat)
     copy = 2 * src.numel() * 4 / measure(lambda: dst.copy_(src), repeats=REPEATS).min
     read = src.numel() * 4 / measure(lambda: src.sum(), repeats=REPEATS).min
-    ways = {"copy": copy, "sum": read, "a sum per thread": _parallel_read(src, threads)}
+    ways = {"copy": copy, "sum": read, "a sum per thread": _parallel_read(src, threads), "kernel read": _kernel_read(src)}
     bandwidth = max(ways.values())  # a decode step only reads: here a read streams faster than a copy
-    a, b = torch.randn(GEMM_N, GEMM_N), torch.randn(GEMM_N, GEMM_N)
-    flops = 2 * GEMM_N**3 / measure(lambda: a @ b, repeats=REPEATS, warmup=2).min
+    flops = max(_gemm_rate(*shape) for shape in GEMM_SHAPES)
     return bandwidth, flops, {way: round(r / 1e9, 2) for way, r in ways.items() if r}
+
+
+def _gemm_rate(m: int, k: int, n: int) -> float:
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    return 2 * m * k * n / measure(lambda: a @ b, repeats=REPEATS, warmup=2).min
+
+
+def _kernel_read(src: torch.Tensor) -> float:
+    """Bytes per second of labkit.cpu_kernels' streaming read (AVX2 loads, each thread its slice; 0 where the
+    kernels cannot be built): on two threads here torch's sums read slower than two matrix loops do."""
+    from ..cpu_kernels import ops
+
+    kernels = ops()
+    if kernels is None:
+        return 0.0
+    return src.numel() * 4 / measure(lambda: kernels.stream_read(src), repeats=REPEATS).min
 
 
 def _parallel_read(src: torch.Tensor, threads: int) -> float:

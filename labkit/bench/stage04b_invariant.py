@@ -7,16 +7,20 @@ A. Determinism under random load, default engine against batch-invariant engine.
    for chunked prefill, a pool as small as three of the longest requests); every request's output logprobs
    (the chosen token's and the top 5) are compared bit for bit with a batch-of-one forward of the same
    tokens. Counted: requests whose logprobs differ, the largest difference, the distinct logprob vectors
-   and greedy continuations of the target. The same on the tiny target, with many more runs.
+   and greedy continuations of the target. The same on the tiny target, with many more runs. Both engines
+   run their linear layers through labkit's kernels (the default; the invariant engine's every pass,
+   labkit/fast_paged.py), at 1 and then 2 threads.
 B. Throughput: 16 chats, greedy, 16 output tokens each, at concurrency 1, 4 and 16 (max_num_seqs),
-   default against invariant, interleaved, medians of repeats.
+   default against invariant, interleaved, medians of repeats, at 1 and 2 threads.
 C. Where the cost comes from: one decode step at batch 1, 4 and 16 (context ~45 tokens) split into its
    matmuls (F.linear on B rows against linear_padded, and against a fixed 16-row tile, the alternative the
    handout names) and its attention (paged_attention against split_kv_attention), beside the floor of a
    step (its weight and cache bytes at the measured one-thread streaming bandwidth, or its FLOPs at the GEMM
-   rate, the larger); and the same three matmul variants on a 512-token prefill.
+   rate, the larger), and the whole step on PyTorch's matmuls and on the kernels; and the same three matmul
+   variants on a 512-token prefill.
 """
 
+import math
 import random
 
 import torch
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 from labkit import TARGET, bench, plot
 from labkit.checkpoint import load_tokenizer, require_real_model
 from labkit.device import pin_threads
+from labkit.fast_paged import accelerate
 from labkit.impl import load
 from labkit.model import from_pretrained
 
@@ -160,9 +165,12 @@ def _parts(engine_mod, bi, pa, model, cache, seqs, linears) -> dict:
     tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
     ctx, ql = torch.tensor([s.num_tokens for s in seqs]), torch.ones(B, dtype=torch.int64)
     attention = (q, cache.k[0], cache.v[0], tables, ctx, ql)
+    fast, every = accelerate(model), accelerate(model, max_rows=math.inf)  # what each engine runs by default
     return {
         "step_default": lambda: engine_mod.run_batch(model, cache, seqs, [1] * B),
         "step_invariant": lambda: engine_mod.run_batch(model, cache, seqs, [1] * B, None, bi.forward_invariant),
+        "step_default_kernels": lambda: engine_mod.run_batch(fast, cache, seqs, [1] * B),
+        "step_invariant_kernels": lambda: engine_mod.run_batch(every, cache, seqs, [1] * B, None, bi.forward_invariant),
         "matmuls_default": lambda: [F.linear(x, m.weight, m.bias) for x, m in zip(inputs, linears, strict=True)],
         "matmuls_padded": lambda: [bi.linear_padded(x, m.weight, m.bias) for x, m in zip(inputs, linears, strict=True)],
         "matmuls_tiled16": lambda: [_tiled(x, m.weight, m.bias) for x, m in zip(inputs, linears, strict=True)],
@@ -193,30 +201,35 @@ def prefill_matmuls(model, repeats: int, rows: int = 512) -> dict:
 
 @torch.inference_mode()
 def main(quick: bool = False) -> bench.Result:
-    pin_threads(1)  # bitwise claims and timings alike are for one thread (lab4.ipynb §1 says why)
     folder = require_real_model()
     model, tok = from_pretrained(folder).eval(), load_tokenizer(folder)
     which = f"{folder.name} ({model.num_params() / 1e6:.1f}M params)"
     prompts = [tok.encode(chat(q)).ids for q in CHATS]
     runs, new, repeats = (2, 4, 1) if quick else (18, 8, 3)  # 18 runs: over 200 requests compared
-    det = determinism(model, tok, prompts, runs, new)
-    print(bench.table(det, f"A. {runs} runs under random load on {which}, {new} greedy tokens a request"))
     tiny_model, tiny_tok = from_pretrained(TARGET).eval(), load_tokenizer(TARGET)
     tiny_prompts = [tiny_tok.encode(q).ids for q in CHATS]
-    tiny = determinism(tiny_model, tiny_tok, tiny_prompts, 4 if quick else 200, 12)
+    det, tiny, rows = [], [], []
+    for threads in (1, 2):  # the kernels' sums do not depend on the thread split: bitwise at both
+        pin_threads(threads)
+        det += [{"threads": threads, **r} for r in determinism(model, tok, prompts, runs, new)]
+        tiny += [{"threads": threads, **r} for r in determinism(tiny_model, tiny_tok, tiny_prompts,
+                                                                 4 if quick else 100, 12)]  # fmt: skip
+        rows += [{"threads": threads, **r} for r in throughput(model, tok, prompts, 4 if quick else 16, repeats)]
+    print(bench.table(det, f"A. {runs} runs under random load on {which}, {new} greedy tokens a request"))
     print(bench.table(tiny, "A. the same on the tiny target"))
+    print(bench.table(rows, f"B. throughput, 16 greedy tokens a chat, median of {repeats}"))
+    pin_threads(1)
     parts = step_parts(model, tok, prompts, 3 if quick else 7)
     print(bench.table(parts, "C. one decode step and its parts (ms), default vs invariant"))
     prefill = prefill_matmuls(model, 3 if quick else 5)
     print(bench.table([prefill], "C. a 512-token prefill's matmuls (ms, LM head aside)"))
-    rows = throughput(model, tok, prompts, 4 if quick else 16, repeats)
-    print(bench.table(rows, f"B. throughput, 16 greedy tokens a chat, median of {repeats}"))
     figures = {
         "model": which,
         "determinism": det,
         "determinism_tiny_target": tiny,
         "step_parts": parts,
         "prefill_matmuls": prefill,
+        "invariant_vs_default_at_1": {r["threads"]: r["invariant_vs_default"] for r in rows if r["concurrency"] == 1},
         "invariant_vs_default_at_16": rows[-1]["invariant_vs_default"],
         "min_rows": load("stage04_batching.batch_invariant").MIN_ROWS,
         "split": load("stage04_batching.batch_invariant").SPLIT,

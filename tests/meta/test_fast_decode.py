@@ -183,17 +183,11 @@ def test_cpp_kernels_equal_dequantized_weights():
     ops = cpu_kernels.ops()
     if ops is None:
         pytest.skip("labkit.cpu_kernels needs an x86 CPU with AVX2")
-    for out, inp in [(64, 96), (132, 256), (48, 576)]:
+    for out, inp in [(64, 96), (128, 256), (48, 576)]:
         seed = out + inp
         gen = torch.Generator().manual_seed(seed)
         w = torch.randn(out, inp, generator=gen) * torch.rand(out, 1, generator=gen)  # rows of different ranges
         x = torch.randn(3, inp, generator=gen) * torch.rand(1, inp, generator=gen)
-        packed = cpu_kernels.huge_pages([cpu_kernels.pack_f32(w)])[0]  # as StaticDecoder stores it
-        for rows in (1, 3, 4, 5):  # x's rows go three or two at a time, then one
-            xs = torch.cat([x, x.flip(0)])[:rows]
-            torch.testing.assert_close(
-                ops.f32_matvec(xs, packed), xs @ w.T, atol=1e-5, rtol=1e-5, msg=f"seed={seed} f32 B={rows}"
-            )
         for name in ("q8_0", "q4_1"):
             blocks, w_hat = gguf_blocks(w, name)
             q = cpu_kernels.huge_pages([blocks])[0]
@@ -211,6 +205,41 @@ def test_cpp_kernels_equal_dequantized_weights():
             torch.testing.assert_close(got, exact, atol=1e-4, rtol=1e-5, msg=f"seed={seed} {name}: x's rounding")
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not shutil.which("c++"), reason="labkit.cpu_kernels compiles C++: no c++ compiler on PATH")
+def test_f32_kernel_at_every_row_count_against_float64():
+    """f32_matvec at B = 1..13 rows (one pass of up to six or twelve rows, then chunks) and input widths that are
+    not multiples of anything (the loop runs input by input), against a float64 product, within the bound of
+    float32 summation (n u sum |w x|, u = 2^-24); and each row's bits the same alone, in any batch and on 1
+    or 2 threads (one running sum per output, in input order)."""
+    ops = cpu_kernels.ops()
+    if ops is None:
+        pytest.skip("labkit.cpu_kernels needs an x86 CPU with AVX2")
+    was = torch.get_num_threads()
+    for out, inp in [(16, 7), (64, 96), (48, 577), (272, 1000)]:
+        gen = torch.Generator().manual_seed(out + inp)
+        w = torch.randn(out, inp, generator=gen) * torch.rand(out, 1, generator=gen)  # rows of different ranges
+        x = torch.randn(13, inp, generator=gen) * torch.rand(1, inp, generator=gen)
+        packed = cpu_kernels.huge_pages([cpu_kernels.pack_f32(w)])[0]  # as the decoders store it
+        want = x.double() @ w.double().T
+        bound = inp * 2**-24 * (x.double().abs() @ w.double().abs().T) + 1e-30
+        torch.set_num_threads(1)
+        alone = ops.f32_matvec(x[:1], packed)
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for rows in range(1, 14):
+                    got = ops.f32_matvec(x[:rows], packed)
+                    excess = ((got.double() - want[:rows]).abs() - bound[:rows]).max().item()
+                    assert excess <= 0, f"({out}, {inp}) B={rows} threads={threads}: off by {excess:.3g} past the bound"
+                    assert torch.equal(got[:1], alone), (
+                        f"({out}, {inp}) B={rows} threads={threads}: row 0 differs from row 0 alone by "
+                        f"{(got[:1] - alone).abs().max().item():.3g}: its sum depends on the batch"
+                    )
+        finally:
+            torch.set_num_threads(was)
+
+
 def test_huge_pages_copies_keep_values_and_structure():
     """huge_pages moves a decoder's weights into one buffer: every tensor and tuple comes back equal, at a
     64-byte boundary, and writing one copy touches no other."""
@@ -226,13 +255,13 @@ def test_huge_pages_copies_keep_values_and_structure():
 
 
 def test_pack_f32_layout_and_refusal():
-    """pack_f32's layout: group g, chunk k, row j, input i holds w[4 g + j, 8 k + i]."""
-    w = torch.arange(8 * 16, dtype=torch.float32).reshape(8, 16)
+    """pack_f32's layout: panel p, input k, row j holds w[16 p + j, k]."""
+    w = torch.arange(32 * 5, dtype=torch.float32).reshape(32, 5)
     p = cpu_kernels.pack_f32(w)
-    assert p.shape == (2, 2, 4, 8)
-    assert p[1, 0, 2, 3] == w[6, 3] and p[0, 1, 3, 7] == w[3, 15]
-    with pytest.raises(ValueError, match="out % 4"):
-        cpu_kernels.pack_f32(torch.zeros(6, 16))
+    assert p.shape == (2, 5, 16)
+    assert p[1, 0, 2] == w[18, 0] and p[0, 4, 15] == w[15, 4] and p[1, 3, 0] == w[16, 3]
+    with pytest.raises(ValueError, match="out % 16"):
+        cpu_kernels.pack_f32(torch.zeros(24, 16))
 
 
 @pytest.mark.slow

@@ -22,13 +22,15 @@ MODELS = {  # random Llamas with what real checkpoints vary: GQA ratio, odd widt
 }  # fmt: skip
 
 
-def serve_under_load(engine_mod, params_cls, model, rng, target, invariant: bool, counts: dict, tight: bool) -> list:
+def serve_under_load(engine_mod, params_cls, model, rng, target, invariant: bool, counts: dict, tight: bool,
+                     kernels: str = "cpp") -> list:  # fmt: skip
     """One run: the target prompt among 2-16 others (some sharing its first blocks, for prefix-cache hits),
     arriving between steps, with a random chunk size and a pool small enough to preempt. [(prompt, output)]."""
     block_size = rng.choice([4, 8])
     engine = engine_mod.LLMEngine(
         model,
         batch_invariant=invariant,
+        kernels=kernels,
         block_size=block_size,
         num_blocks=72 // block_size + (1 if tight else rng.choice([4, 64])),  # the longest request fits, few more
         max_num_batched_tokens=rng.choice([5, 16, 33, 512]),
@@ -64,9 +66,10 @@ def serve_under_load(engine_mod, params_cls, model, rng, target, invariant: bool
     return served
 
 
-def batch_of_one(engine_mod, params_cls, model, prompt: list[int], output: list[int], invariant: bool) -> list:
+def batch_of_one(engine_mod, params_cls, model, prompt: list[int], output: list[int], invariant: bool,
+                 kernels: str = "cpp") -> list:  # fmt: skip
     """The logprobs of `output` from one forward pass over prompt + output, the request alone in its engine."""
-    engine = engine_mod.LLMEngine(model, batch_invariant=invariant, enable_prefix_caching=False)
+    engine = engine_mod.LLMEngine(model, batch_invariant=invariant, enable_prefix_caching=False, kernels=kernels)
     out = engine.generate([prompt + output], params_cls(max_tokens=1, prompt_logprobs=5))[0]
     return out.prompt_logprobs[len(prompt) :]
 
@@ -79,28 +82,48 @@ def target_output(served: list, target: list[int]):
     return next(out for prompt, out in served if prompt is target)
 
 
-def run_workload(impl, name: str, seed: int, invariant: bool, runs: int = 6):
+def run_workload(impl, name: str, seed: int, invariant: bool, runs: int = 6, kernels: str = "cpp"):
     engine_mod, params_cls = impl("stage04_batching.engine"), impl("stage04_batching.sequence").SamplingParams
     model = make_model(seed, **MODELS[name])
     rng = random.Random(seed)
     target = random_prompts(seed, 1, 20, 30)[0]
     counts = {"preemptions": 0, "prefix_hits": 0}
     results = [
-        serve_under_load(engine_mod, params_cls, model, rng, target, invariant, counts, r == 0) for r in range(runs)
+        serve_under_load(engine_mod, params_cls, model, rng, target, invariant, counts, r == 0, kernels)
+        for r in range(runs)
     ]
     return engine_mod, params_cls, model, target, counts, results
 
 
-@pytest.mark.parametrize("name,seed", [("gqa2", 0), ("mqa-odd-mlp", 1), ("mha-bias", 2)])
-def test_invariant_engine_logprobs_are_a_batch_of_one(impl, name, seed):
-    engine_mod, params_cls, model, target, counts, results = run_workload(impl, name, seed, invariant=True)
+# The linear layers through labkit's kernels (the engine's default: their sums do not depend on the batch or the
+# threads, so 1 and 2 threads) and through PyTorch with your linear_padded (one thread: lab4 §1 measured its
+# BLAS classes there); the vocabulary of 101 and the odd widths keep linear_padded in the kernels' runs too.
+@pytest.mark.parametrize(
+    "name,seed,kernels,threads",
+    [("gqa2", 0, "cpp", 1), ("gqa2", 3, "cpp", 2), ("mqa-odd-mlp", 1, "torch", 1), ("mqa-odd-mlp", 4, "cpp", 2),
+     ("mha-bias", 2, "cpp", 1), ("mha-bias", 5, "torch", 1)],
+)  # fmt: skip
+def test_invariant_engine_logprobs_are_a_batch_of_one(impl, name, seed, kernels, threads):
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        check_invariant_workload(impl, name, seed, kernels, threads)
+    finally:
+        torch.set_num_threads(was)
+
+
+def check_invariant_workload(impl, name, seed, kernels, threads):
+    engine_mod, params_cls, model, target, counts, results = run_workload(
+        impl, name, seed, invariant=True, kernels=kernels
+    )
     assert counts["preemptions"] and counts["prefix_hits"], f"the load drew no preemption or no prefix hit: {counts}"
     for run, served in enumerate(results):
         for prompt, out in served:
-            alone = batch_of_one(engine_mod, params_cls, model, prompt, out.token_ids, invariant=True)
+            alone = batch_of_one(engine_mod, params_cls, model, prompt, out.token_ids, True, kernels)
             assert as_bits(out.logprobs) == as_bits(alone), (
                 f"run {run}: a request's logprobs under load differ from a batch of one forward of the same "
-                f"tokens (prompt of {len(prompt)} tokens, {len(out.token_ids)} generated), {name}, seed={seed}"
+                f"tokens (prompt of {len(prompt)} tokens, {len(out.token_ids)} generated), {name}, seed={seed}, "
+                f"kernels={kernels}, {threads} thread(s)"
             )
     outputs = {tuple(target_output(served, target).token_ids) for served in results}
     assert len(outputs) == 1, f"the same greedy prompt gave {len(outputs)} continuations, {name}, seed={seed}"
