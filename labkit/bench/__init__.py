@@ -6,8 +6,9 @@
     make bench STAGE=decode                      # one decode step: course eager/compiled, HF, llama.cpp (labkit/bench/decode.py)
 
 A benchmark is `labkit/bench/stageNN.py` (or `stageNNb.py` for a stage's part 2) with
-`main(quick: bool) -> bench.Result`: it loads its models with `model()`, times with `measure`,
-`compare` or `interleaved`, prints its tables and returns what it measured; this module saves the
+`main(quick: bool) -> bench.Result`: it loads its models with `model()` and its stage's modules with `stages()`,
+times with `measure`, `compare` or `interleaved`, prints its tables with `show` and returns what it measured
+(its main at most 60 lines: each part it measures a function of its own); this module saves the
 Result as bench_results/stageNN.json (+ .png), with this machine's measured bandwidth and GEMM rate
 (labkit.bench.floors); rows that quote a time add their own floor with floors.row.
 
@@ -46,6 +47,25 @@ def tokenizer(role: str = "MODEL"):
     from ..checkpoint import load_tokenizer, model_folder
 
     return load_tokenizer(model_folder(role))
+
+
+def stages(package: str, *names: str) -> list:
+    """Stage modules of one package, from the implementation in force (labkit.impl.load), in order:
+    `sim, slo = bench.stages("stage07_tensor_parallel.fleet", "simulator", "slo")`."""
+    from ..impl import load
+
+    return [load(f"{package}.{name}") for name in names]
+
+
+def show(rows: list[dict], title: str = "") -> None:
+    """Print rows as one table (labkit.timing.table) under `title`."""
+    print(table(rows, title))
+
+
+def show_figures(figures: dict, keys) -> None:
+    """Print the figures named by `keys` (ratios, mostly) one a line, to two decimals."""
+    for key in keys:
+        print(f"{key}: {figures[key]:.2f}")
 
 
 @dataclass

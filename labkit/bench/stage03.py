@@ -17,27 +17,14 @@ from labkit import bench
 from labkit.bench import compare, decode_step, floors, table
 from labkit.calibration import calibration_windows
 from labkit.device import pin_threads
-from labkit.impl import load
 from labkit.plot import setup
 from labkit.quality import heldout
 
 GATE = dict(max_ppl_increase_pct=1.0, max_top1_disagreement=0.02)
 
 
-def main(quick: bool = False) -> bench.Result:
-    pin_threads(1)  # small matrices: a second thread only adds OpenMP stalls on a shared CPU
-    ql = load("stage03_quantization.quant_linear")
-    gptq = load("stage03_quantization.gptq")
-    awq = load("stage03_quantization.awq")
-    sq = load("stage03_quantization.smoothquant")
-    ev = load("stage03_quantization.evaluate")
-
-    tokenizer = bench.tokenizer()
-    fp32, which = bench.model()
-    windows = heldout(tokenizer, n_tokens=2048 if quick else 4096, seq=512)
-    calib = calibration_windows(tokenizer, n_windows=2 if quick else 8, seq=128 if quick else 256)
-    repeats = 5 if quick else 10
-
+def variants(fp32, calib, ql, gptq, awq, sq) -> dict:
+    """name -> a function making that quantized copy of fp32 (calibrated on `calib` where the method needs it)."""
     variants = {
         "fp32": lambda: fp32,
         "bf16": lambda: copy.deepcopy(fp32).to(torch.bfloat16),
@@ -53,32 +40,50 @@ def main(quick: bool = False) -> bench.Result:
         variants[f"RTN INT{bits} g128"] = lambda b=bits: ql.quantize_model(copy.deepcopy(fp32), "rtn", b, 128)
         variants[f"GPTQ INT{bits} g128"] = lambda b=bits: gptq.gptq_quantize_model(copy.deepcopy(fp32), calib, b, 128)
         variants[f"AWQ INT{bits} g128"] = lambda b=bits: awq.awq_quantize_model(copy.deepcopy(fp32), calib, b, 128)
+    return variants
+
+
+def variant_row(name: str, model, fp32, base, base_step, ev, windows, repeats: int) -> dict:
+    """One quantized model against fp32: size, perplexity, KL, top-1 agreement, decode speed (compared in one
+    run) with its floor, and stage 03's quality gate's verdict."""
+    report = ev.evaluate(model, windows, reference=fp32, decode_repeats=0)
+    t_base, t_cand, speedup = compare(base_step, decode_step(model), repeats=repeats, warmup=2)
+    verdict = ev.quality_gate(base, report, **GATE)
+    print(f"  {name}: done ({'; '.join(verdict.reasons)})", flush=True)
+    return {
+        "method": name,
+        "weight MB": report.weight_bytes / 1e6,
+        "vs fp32": report.weight_bytes / base.weight_bytes,
+        "ppl": f"{report.perplexity:.4f}",
+        "ppl Δ%": round(100 * (report.perplexity / base.perplexity - 1), 3),
+        "KL vs fp32": float(f"{report.kl:.3g}"),
+        "top-1 agree": round(report.top1_agreement, 4),
+        "tok/s": round(1 / t_cand.median, 1),
+        "speed vs fp32": round(speedup, 2),
+        # the step reads the quantized weights (+ the 64-token cache timing.decode_step holds)
+        **floors.row(t_cand.median, bytes=report.weight_bytes + floors.kv_bytes(fp32, 64), name="decode"),
+        "gate": "pass" if verdict.passed else "BLOCK",
+    }
+
+
+def main(quick: bool = False) -> bench.Result:
+    pin_threads(1)  # small matrices: a second thread only adds OpenMP stalls on a shared CPU
+    ql, gptq, awq, sq, ev = bench.stages(
+        "stage03_quantization", "quant_linear", "gptq", "awq", "smoothquant", "evaluate"
+    )
+
+    tokenizer = bench.tokenizer()
+    fp32, which = bench.model()
+    windows = heldout(tokenizer, n_tokens=2048 if quick else 4096, seq=512)
+    calib = calibration_windows(tokenizer, n_windows=2 if quick else 8, seq=128 if quick else 256)
+    repeats = 5 if quick else 10
 
     base = ev.evaluate(fp32, windows, decode_repeats=0)
     base_step = decode_step(fp32)
-    rows = []
-    for name, make in variants.items():
-        model = make()
-        report = ev.evaluate(model, windows, reference=fp32, decode_repeats=0)
-        t_base, t_cand, speedup = compare(base_step, decode_step(model), repeats=repeats, warmup=2)
-        verdict = ev.quality_gate(base, report, **GATE)
-        rows.append(
-            {
-                "method": name,
-                "weight MB": report.weight_bytes / 1e6,
-                "vs fp32": report.weight_bytes / base.weight_bytes,
-                "ppl": f"{report.perplexity:.4f}",
-                "ppl Δ%": round(100 * (report.perplexity / base.perplexity - 1), 3),
-                "KL vs fp32": float(f"{report.kl:.3g}"),
-                "top-1 agree": round(report.top1_agreement, 4),
-                "tok/s": round(1 / t_cand.median, 1),
-                "speed vs fp32": round(speedup, 2),
-                # the step reads the quantized weights (+ the 64-token cache timing.decode_step holds)
-                **floors.row(t_cand.median, bytes=report.weight_bytes + floors.kv_bytes(fp32, 64), name="decode"),
-                "gate": "pass" if verdict.passed else "BLOCK",
-            }
-        )
-        print(f"  {name}: done ({'; '.join(verdict.reasons)})", flush=True)
+    rows = [
+        variant_row(name, make(), fp32, base, base_step, ev, windows, repeats)
+        for name, make in variants(fp32, calib, ql, gptq, awq, sq).items()
+    ]
 
     print(table(rows, title=f"Stage 03 on {which} ({len(windows)} held-out windows of 512 tokens)"))
     print(

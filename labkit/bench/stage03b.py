@@ -21,7 +21,6 @@ from labkit import bench
 from labkit.bench import floors
 from labkit.checkpoint import load_tokenizer
 from labkit.device import pin_threads
-from labkit.impl import load
 from labkit.model import from_pretrained
 from labkit.plot import setup
 from labkit.quality import heldout
@@ -74,66 +73,83 @@ def llamacpp_decode_step(llm, context: int = CONTEXT):
     return step
 
 
-def main(quick: bool = False) -> bench.Result:
-    require_llama_cpp()
+def hf_reference(windows, seq: int) -> tuple[list[np.ndarray], float, int]:
+    """HF's float32 log-probabilities of every window, its perplexity on them, and the model's parameter count."""
     from transformers import AutoModelForCausalLM
-
-    pin_threads(1)  # llama.cpp runs on one thread too: the comparison is per core
-    export = load("stage03_quantization.gguf_export")
-    ql = load("stage03_quantization.quant_linear")
-    tokenizer = load_tokenizer(labkit.TARGET)
-    seq = 256 if quick else 512
-    windows = heldout(tokenizer, n_tokens=4 * seq if quick else 16 * seq, seq=seq)
-    repeats = 10 if quick else 30
 
     hf = AutoModelForCausalLM.from_pretrained(labkit.TARGET, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = [log_softmax(hf(w[None]).logits[0].numpy()) for w in windows]
     nll_hf = -sum(lp[np.arange(seq - 1), w[1:].numpy()].sum() for w, lp in zip(windows, ref, strict=True))
     ppl_hf = float(np.exp(nll_hf / (len(windows) * (seq - 1))))  # HF's fp32 logits, the same windows
-    n_params = sum(p.numel() for p in hf.parameters())
+    return ref, ppl_hf, sum(p.numel() for p in hf.parameters())
 
-    rows, steps, step_bytes = [], {}, {}
+
+def llamacpp_rows(export, tmp: str, windows, seq: int, ref, ppl_hf: float, n_params: int, steps, step_bytes):
+    """Each mix exported to GGUF and read by llama.cpp: its file, perplexity, KL and top-1 agreement against HF;
+    its decode step goes into `steps` and the bytes it reads into `step_bytes`."""
+    rows = []
+    for mix in MIXES:
+        path = export.export_gguf(labkit.TARGET, Path(tmp) / f"tiny-target-{mix}.gguf", mix)
+        llm = llama(path, n_ctx=seq)
+        nll = kl = agree = 0.0
+        for w, lp_ref in zip(windows, ref, strict=True):
+            lp = log_softmax(llamacpp_logits(llm, w.tolist()))
+            nll -= lp[np.arange(seq - 1), w[1:].numpy()].sum()
+            kl += (np.exp(lp_ref) * (lp_ref - lp)).sum()
+            agree += (lp.argmax(-1) == lp_ref.argmax(-1)).sum()
+        size, count = path.stat().st_size, len(windows) * seq
+        ppl = float(np.exp(nll / (len(windows) * (seq - 1))))
+        rows.append(
+            {
+                "engine": "llama.cpp",
+                "format": mix,
+                "file MB": round(size / 1e6, 2),
+                "bits/weight": round(8 * size / n_params, 2),
+                "ppl": f"{ppl:.4f}",
+                "ppl Δ% vs HF": round(100 * (ppl / ppl_hf - 1), 3),
+                "KL vs HF fp32": float(f"{kl / count:.3g}"),
+                "top-1 agree": round(agree / count, 4),
+            }
+        )
+        steps[("llama.cpp", mix)] = llamacpp_decode_step(llm)
+        step_bytes[("llama.cpp", mix)] = size  # the file is its tensors (and a small header)
+        print(f"  llama.cpp {mix}: done", flush=True)
+    return rows
+
+
+def course_rows(ql, fp32, ppl_hf: float, steps, step_bytes) -> list[dict]:
+    """Stage 03's PyTorch layers (float32, INT8, INT4): their decode steps into `steps` and `step_bytes`."""
+    rows = []
+    for name, model in (
+        ("fp32", fp32),
+        ("INT8 per-channel", ql.quantize_model(copy.deepcopy(fp32), "int8")),
+        ("RTN INT4 g128", ql.quantize_model(copy.deepcopy(fp32), "rtn", 4, 128)),
+    ):
+        steps[("course (PyTorch)", name)] = bench.decode_step(model, CONTEXT)
+        tensors = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}  # tied once
+        step_bytes[("course (PyTorch)", name)] = sum(tensors.values())
+        rows.append({"engine": "course (PyTorch)", "format": name, "file MB": "", "bits/weight": "",
+                     "ppl": f"{ppl_hf:.4f}" if name == "fp32" else "", "ppl Δ% vs HF": "", "KL vs HF fp32": "",
+                     "top-1 agree": ""})  # fmt: skip
+    return rows
+
+
+def main(quick: bool = False) -> bench.Result:
+    require_llama_cpp()
+    pin_threads(1)  # llama.cpp runs on one thread too: the comparison is per core
+    export, ql = bench.stages("stage03_quantization", "gguf_export", "quant_linear")
+    tokenizer = load_tokenizer(labkit.TARGET)
+    seq = 256 if quick else 512
+    windows = heldout(tokenizer, n_tokens=4 * seq if quick else 16 * seq, seq=seq)
+    repeats = 10 if quick else 30
+    ref, ppl_hf, n_params = hf_reference(windows, seq)
+
+    steps, step_bytes = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mix in MIXES:
-            path = export.export_gguf(labkit.TARGET, Path(tmp) / f"tiny-target-{mix}.gguf", mix)
-            llm = llama(path, n_ctx=seq)
-            nll = kl = agree = 0.0
-            for w, lp_ref in zip(windows, ref, strict=True):
-                lp = log_softmax(llamacpp_logits(llm, w.tolist()))
-                nll -= lp[np.arange(seq - 1), w[1:].numpy()].sum()
-                kl += (np.exp(lp_ref) * (lp_ref - lp)).sum()
-                agree += (lp.argmax(-1) == lp_ref.argmax(-1)).sum()
-            size, count = path.stat().st_size, len(windows) * seq
-            ppl = float(np.exp(nll / (len(windows) * (seq - 1))))
-            rows.append(
-                {
-                    "engine": "llama.cpp",
-                    "format": mix,
-                    "file MB": round(size / 1e6, 2),
-                    "bits/weight": round(8 * size / n_params, 2),
-                    "ppl": f"{ppl:.4f}",
-                    "ppl Δ% vs HF": round(100 * (ppl / ppl_hf - 1), 3),
-                    "KL vs HF fp32": float(f"{kl / count:.3g}"),
-                    "top-1 agree": round(agree / count, 4),
-                }
-            )
-            steps[("llama.cpp", mix)] = llamacpp_decode_step(llm)
-            step_bytes[("llama.cpp", mix)] = size  # the file is its tensors (and a small header)
-            print(f"  llama.cpp {mix}: done", flush=True)
-
+        rows = llamacpp_rows(export, tmp, windows, seq, ref, ppl_hf, n_params, steps, step_bytes)
         fp32 = from_pretrained(labkit.TARGET)
-        for name, model in (
-            ("fp32", fp32),
-            ("INT8 per-channel", ql.quantize_model(copy.deepcopy(fp32), "int8")),
-            ("RTN INT4 g128", ql.quantize_model(copy.deepcopy(fp32), "rtn", 4, 128)),
-        ):
-            steps[("course (PyTorch)", name)] = bench.decode_step(model, CONTEXT)
-            tensors = {t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}  # tied once
-            step_bytes[("course (PyTorch)", name)] = sum(tensors.values())
-            rows.append({"engine": "course (PyTorch)", "format": name, "file MB": "", "bits/weight": "",
-                         "ppl": f"{ppl_hf:.4f}" if name == "fp32" else "", "ppl Δ% vs HF": "", "KL vs HF fp32": "",
-                         "top-1 agree": ""})  # fmt: skip
+        rows += course_rows(ql, fp32, ppl_hf, steps, step_bytes)
         seconds = {key: t.median for key, t in bench.interleaved(steps, repeats, warmup=3).items()}
     for r in rows:
         r["decode tok/s"] = round(1 / seconds[(r["engine"], r["format"])], 1)
@@ -141,11 +157,7 @@ def main(quick: bool = False) -> bench.Result:
         key = (r["engine"], r["format"])  # floor: the weights' bytes and the cache's at the measured streaming rate
         r.update(floors.row(seconds[key], bytes=step_bytes[key] + floors.kv_bytes(fp32, CONTEXT)))
 
-    print(
-        bench.table(
-            rows, title=f"Stage 03b: GGUF files of the tiny target in llama.cpp ({len(windows)} windows of {seq})"
-        )
-    )
+    bench.show(rows, f"Stage 03b: GGUF files of the tiny target in llama.cpp ({len(windows)} windows of {seq})")
     q4km, q8 = (next(r for r in rows if r["format"] == f) for f in ("Q4_K_M", "Q8_0"))
     print(
         f"Q4_K_M vs Q8_0: perplexity {q4km['ppl']} vs {q8['ppl']} "

@@ -94,22 +94,11 @@ def hf_padded(hf, prompts: list[list[int]], max_tokens: list[int], batch_size: i
         hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
 
-def main(quick: bool = False) -> bench.Result:
-    pin_threads(1)  # the tiny model's matrices are too small for threads to pay off
-    engine_mod = load("stage04_batching.engine")
-    sequence = load("stage04_batching.sequence")
-    baselines = load("stage04_batching.baselines")
-    model, which = bench.model()
-    hf = hf_from_labkit(model)
-    V = model.config.vocab_size
-    n = 16 if quick else 32
-    concurrency = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
-    prompts, max_tokens = offline_requests(0, n, V, (8, 32) if quick else (16, 96))
-    total = sum(max_tokens)
-    params = [sequence.SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
-    engine_mod.LLMEngine(model, num_blocks=64).generate(prompts[:2], params[:2])  # warm-up
-    floor = functools.partial(workload_floor, model)
-
+def throughput_sweep(mods, model, hf, prompts, max_tokens, params, concurrency) -> list[dict]:
+    """At each concurrency: the sequential loop (one pass, repeated as a row per concurrency), the engine,
+    static batches and HF's padded generate, each serving the whole workload once."""
+    engine_mod, _, baselines = mods
+    total, floor = sum(max_tokens), functools.partial(workload_floor, model)
     rows = []
     seq_row = _served(
         "sequential", 1, lambda: baselines.sequential(model, prompts, max_tokens), total, floor(prompts, max_tokens, 1)
@@ -125,13 +114,18 @@ def main(quick: bool = False) -> bench.Result:
             )
         )
         rows.append(_served("HF generate (padded)", c, lambda c=c: hf_padded(hf, prompts, max_tokens, c), total, f))
-    print(bench.table(rows, f"Throughput on {which}: {n} requests, {total} output tokens"))
+    return rows
+
+
+def headline_ratios(mods, model, prompts, max_tokens, params, rows, quick: bool) -> dict:
+    """The headline ratios again, as medians of interleaved repeats (one pass of the sweep is a single sample,
+    and at concurrency 1 the engine and the plain loop differ by a few percent), and the forward passes and
+    token rows static and continuous batching make, counted."""
+    engine_mod, _, baselines = mods
 
     def at(variant, c):
         return next(r["tokens_per_s"] for r in rows if r["variant"] == variant and r["concurrency"] == c)
 
-    # The headline ratios again, as medians of interleaved repeats: one pass of the sweep above is
-    # a single sample, and at concurrency 1 the engine and the plain loop differ by a few percent.
     # Five rounds after an untimed one: the static ratio read 1.22x to 1.39x in runs of 3 to 9 rounds
     # made minutes apart on one quiet machine (23 November), so three rounds are too few.
     def engine(c):
@@ -158,19 +152,37 @@ def main(quick: bool = False) -> bench.Result:
         "static_vs_continuous_forward_passes_at_16": static_work["forward_passes"] / continuous_work["forward_passes"],
         "static_vs_continuous_token_rows_at_16": static_work["token_rows"] / continuous_work["token_rows"],
     }
-    print(bench.table([ratios], "Throughput ratios, medians of interleaved runs (target >= 3x at 16)"))
+    bench.show([ratios], "Throughput ratios, medians of interleaved runs (target >= 3x at 16)")
     print(
         f"At 16, static batching runs {static_work['forward_passes']} forward passes over "
         f"{static_work['token_rows']} token rows, continuous batching {continuous_work['forward_passes']} over "
         f"{continuous_work['token_rows']}. The time ratio nears the passes' ratio when a pass's fixed cost "
         "(its weights streamed, its ops dispatched) outweighs its rows' cost, the rows' ratio when the rows dominate."
     )
+    return ratios
+
+
+def main(quick: bool = False) -> bench.Result:
+    pin_threads(1)  # the tiny model's matrices are too small for threads to pay off
+    mods = engine_mod, sequence, _ = bench.stages("stage04_batching", "engine", "sequence", "baselines")
+    model, which = bench.model()
+    hf = hf_from_labkit(model)
+    V = model.config.vocab_size
+    n = 16 if quick else 32
+    concurrency = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]
+    prompts, max_tokens = offline_requests(0, n, V, (8, 32) if quick else (16, 96))
+    total = sum(max_tokens)
+    params = [sequence.SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens]
+    engine_mod.LLMEngine(model, num_blocks=64).generate(prompts[:2], params[:2])  # warm-up
+    rows = throughput_sweep(mods, model, hf, prompts, max_tokens, params, concurrency)
+    bench.show(rows, f"Throughput on {which}: {n} requests, {total} output tokens")
+    ratios = headline_ratios(mods, model, prompts, max_tokens, params, rows, quick)
 
     prefix = prefix_cache_ttft(engine_mod, sequence, model, V, 4 if quick else 8)
-    print(bench.table(prefix, "TTFT with a shared 512-token system prompt"))
+    bench.show(prefix, "TTFT with a shared 512-token system prompt")
     served = server_vs_naive(engine_mod, sequence, model, [4, 16] if quick else [1, 4, 16, 32], 16 if quick else 32)
-    print(bench.table(served["rows"], "HTTP serving, streaming clients (labkit.bench.loadtest)"))
-    print(bench.table([served["ratios"]], "Server ratios at concurrency 16"))
+    bench.show(served["rows"], "HTTP serving, streaming clients (labkit.bench.loadtest)")
+    bench.show([served["ratios"]], "Server ratios at concurrency 16")
     lat = latency_sweeps(engine_mod, model, quick)
 
     plt = plot.setup()

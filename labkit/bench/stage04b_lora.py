@@ -62,28 +62,14 @@ def random_adapters(folder: Path, config, n: int) -> dict[str, Path]:
     return paths
 
 
-def main(quick: bool = False) -> bench.Result:
-    pin_threads(1)  # the tiny model's matrices are too small for threads to pay off
-    engine_mod = load("stage04_batching.engine")
-    lora_mod = load("stage04_batching.lora")
-    lora_engine = load("stage04_batching.lora_engine")
-    sequence = load("stage04_batching.sequence")
-    base, which = bench.model()
-    n, c = (16 if quick else 32), 16
-    rng = random.Random(0)
-    V = base.config.vocab_size
-    prompts = [[1] + [rng.randrange(3, V) for _ in range(rng.randint(16, 64))] for _ in range(n)]
-    max_tokens = [rng.randint(8, 16) if quick else rng.randint(16, 32) for _ in range(n)]
-    total = sum(max_tokens)
+def variants(mods, base, setups, prompts, max_tokens, c) -> dict:
+    """(adapters, variant) -> a closure serving every request: the base model alone, then per setup one mixed
+    batch through LoRA slots and each adapter's requests apart through its own merged model."""
+    engine_mod, lora_mod, lora_engine, sequence = mods
+    n = len(prompts)
 
     def params(i, lora):
         return sequence.SamplingParams(max_tokens=max_tokens[i], ignore_eos=True, lora=lora)
-
-    tmp = tempfile.TemporaryDirectory()
-    course = {p.name: p for p in sorted(LORA.iterdir())}
-    setups = {"course (3)": course}
-    for k in [4, 16] if quick else [1, 4, 8, 16]:
-        setups[f"random ({k})"] = random_adapters(Path(tmp.name) / str(k), base.config, k)
 
     def serve_base():
         engine_mod.LLMEngine(base, num_blocks=1024, max_num_seqs=c).generate(
@@ -109,24 +95,22 @@ def main(quick: bool = False) -> bench.Result:
 
         fns[label, "mixed batch (LoRA slots)"] = serve_mixed
         fns[label, "per-adapter merged, apart"] = serve_apart
-    timings = bench.interleaved(fns, repeats=1 if quick else 3)
+    return fns
 
-    def floor(label, variant) -> dict:
-        """The base model's work in the run (adapters' FLOPs and bytes left out): a mixed batch steps all
-        requests together, c at a time; served apart, each adapter's requests make their own steps."""
-        if variant != "per-adapter merged, apart":
-            return workload_floor(base, prompts, max_tokens, c)
-        names = sorted(setups[label])
-        groups = [[i for i in range(n) if names[i % len(names)] == m] for m in names]
-        steps = sum(sum(max_tokens[i] for i in g) / min(len(g), c) for g in groups if g)
-        return {**workload_floor(base, prompts, max_tokens, c), "bytes": steps * floors.weight_bytes(base)}
 
-    rows = [
-        {"adapters": label, "variant": variant, "concurrency": c, "tokens_per_s": total / t.median,
-         **floors.row(t.median, **floor(label, variant), name="workload")}
-        for (label, variant), t in timings.items()
-    ]  # fmt: skip
-    tps = {(r["adapters"], r["variant"]): r["tokens_per_s"] for r in rows}
+def floor(base, prompts, max_tokens, c, adapters: dict, variant: str) -> dict:
+    """The base model's work in the run (adapters' FLOPs and bytes left out): a mixed batch steps all
+    requests together, c at a time; served apart, each adapter's requests make their own steps."""
+    if variant != "per-adapter merged, apart":
+        return workload_floor(base, prompts, max_tokens, c)
+    names, n = sorted(adapters), len(prompts)
+    groups = [[i for i in range(n) if names[i % len(names)] == m] for m in names]
+    steps = sum(sum(max_tokens[i] for i in g) / min(len(g), c) for g in groups if g)
+    return {**workload_floor(base, prompts, max_tokens, c), "bytes": steps * floors.weight_bytes(base)}
+
+
+def ratios_of(tps: dict, setups: dict) -> dict:
+    """Per setup: the mixed batch's throughput over serving apart, and over the base model alone."""
     ratios = {
         f"mixed_vs_apart_{label}": tps[label, "mixed batch (LoRA slots)"] / tps[label, "per-adapter merged, apart"]
         for label in setups
@@ -137,9 +121,11 @@ def main(quick: bool = False) -> bench.Result:
             for label in setups
         }
     )
-    print(bench.table(rows, f"{which}: {n} requests spread evenly over the adapters, {total} output tokens"))
-    print(bench.table([{k: round(v, 3) for k, v in ratios.items()}], "Throughput ratios at concurrency 16"))
+    return ratios
 
+
+def memory_rows(lora_mod, base, setups: dict) -> list[dict]:
+    """Per setup: the base model and its adapters against one merged model per adapter (float32)."""
     base_bytes = sum(p.nbytes for p in base.parameters())
     memory = []
     for label, paths in setups.items():
@@ -154,9 +140,43 @@ def main(quick: bool = False) -> bench.Result:
                 "merged_over_adapters": len(paths) * base_bytes / (base_bytes + adapters),
             }
         )
-    print(bench.table(memory, f"Memory (float32; the base model is {base_bytes / 2**20:.1f} MB)"))
-    tmp.cleanup()
+    bench.show(memory, f"Memory (float32; the base model is {base_bytes / 2**20:.1f} MB)")
+    return memory
 
+
+def main(quick: bool = False) -> bench.Result:
+    pin_threads(1)  # the tiny model's matrices are too small for threads to pay off
+    mods = bench.stages("stage04_batching", "engine", "lora", "lora_engine", "sequence")
+    base, which = bench.model()
+    n, c = (16 if quick else 32), 16
+    rng = random.Random(0)
+    V = base.config.vocab_size
+    prompts = [[1] + [rng.randrange(3, V) for _ in range(rng.randint(16, 64))] for _ in range(n)]
+    max_tokens = [rng.randint(8, 16) if quick else rng.randint(16, 32) for _ in range(n)]
+    total = sum(max_tokens)
+
+    tmp = tempfile.TemporaryDirectory()
+    course = {p.name: p for p in sorted(LORA.iterdir())}
+    setups = {"course (3)": course}
+    for k in [4, 16] if quick else [1, 4, 8, 16]:
+        setups[f"random ({k})"] = random_adapters(Path(tmp.name) / str(k), base.config, k)
+    fns = variants(mods, base, setups, prompts, max_tokens, c)
+    timings = bench.interleaved(fns, repeats=1 if quick else 3)
+    rows = [
+        {"adapters": label, "variant": variant, "concurrency": c, "tokens_per_s": total / t.median,
+         **floors.row(t.median, **floor(base, prompts, max_tokens, c, setups.get(label, {}), variant), name="workload")}
+        for (label, variant), t in timings.items()
+    ]  # fmt: skip
+    tps = {(r["adapters"], r["variant"]): r["tokens_per_s"] for r in rows}
+    ratios = ratios_of(tps, setups)
+    bench.show(rows, f"{which}: {n} requests spread evenly over the adapters, {total} output tokens")
+    bench.show([{k: round(v, 3) for k, v in ratios.items()}], "Throughput ratios at concurrency 16")
+    memory = memory_rows(mods[1], base, setups)
+    tmp.cleanup()
+    return bench.Result(rows, {"model": which, "ratios": ratios, "memory": memory}, _plot(setups, tps, memory, c))
+
+
+def _plot(setups, tps, memory, c):
     plt = plot.setup()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     labels = list(setups)
@@ -170,4 +190,4 @@ def main(quick: bool = False) -> bench.Result:
     right.set(xlabel="adapters", ylabel="MB (float32)", title="memory")
     right.legend()
     fig.tight_layout()
-    return bench.Result(rows, {"model": which, "ratios": ratios, "memory": memory}, fig)
+    return fig

@@ -22,7 +22,7 @@ import torch
 from labkit import bench, plot
 from labkit.bench import floors
 from labkit.device import pin_threads
-from labkit.impl import current, load
+from labkit.impl import current
 from labkit.quality import heldout
 from labkit.testing import hf_from_labkit
 
@@ -62,10 +62,46 @@ def refuse_real_without_draft() -> None:
 
 
 @torch.inference_mode()
+def plain_floor(target, prompts: list[list[int]], new: int) -> float:
+    """The floor of plain decoding: each prompt's prefill FLOPs (the LM head at its last position), then each
+    token's bytes (weights + cache)."""
+    return sum(floors.floor_s(flops=floors.forward_flops(target, len(p), logits=1))
+               + sum(floors.floor_s(bytes=floors.decode_bytes(target, len(p) + i)) for i in range(new))
+               for p in prompts)  # fmt: skip
+
+
+def at_k(k, spec, models, prompts, reference, new, repeats, warmup) -> tuple[list, tuple, tuple]:
+    """Speculative decoding at k against plain decoding, the course's loop and HF's assisted generation alike:
+    the course's SpecStats per prompt, then (plain, speculative, ratio) for each side."""
+    target, draft, hf_target, hf_draft = models
+    stats = []
+
+    def check(out: list[int], ref: list[int], who: str) -> None:
+        if out != ref:
+            raise AssertionError(f"k={k}: {who} output differs from the target's greedy decoding")
+
+    def ours():
+        stats.clear()
+        for p, ref in zip(prompts, reference, strict=True):
+            out, s = spec.greedy_speculative(target, draft, p, new, k=k)
+            check(out, ref, "speculative")
+            stats.append(s)
+
+    def hf_assisted():
+        for p, ref in zip(prompts, reference, strict=True):
+            check(hf_generate(hf_target, p, new, hf_draft, k), ref, "HF assisted")
+
+    course = bench.compare(lambda: [target.generate(p, new, stop_at_eos=False) for p in prompts], ours, repeats, warmup)
+    # HF's generate is slower per call; fewer repeats keep the run short (its ratio is context, not the claim)
+    hf = bench.compare(
+        lambda: [hf_generate(hf_target, p, new) for p in prompts], hf_assisted, max(1, repeats - 1), warmup
+    )
+    return stats, course, hf
+
+
 def main(quick: bool = False) -> bench.Result:
     refuse_real_without_draft()
-    spec = load("stage06_speculative.speculative")
-    speedup = load("stage06_speculative.speedup")
+    spec, speedup = bench.stages("stage06_speculative", "speculative", "speedup")
     # Batch-1 decoding of a 6.6M-parameter model gains nothing from intra-op threads; on a shared
     # 2-core machine their spin-waiting only adds noise. Both sides run on one thread.
     pin_threads(1)
@@ -77,50 +113,26 @@ def main(quick: bool = False) -> bench.Result:
         hf.config.eos_token_id = hf.generation_config.eos_token_id = 10**6
     reference = [target.generate(p, new, stop_at_eos=False) for p in prompts]
 
-    def check(out: list[int], ref: list[int], who: str, k: int) -> None:
-        if out != ref:
-            raise AssertionError(f"k={k}: {who} output differs from the target's greedy decoding")
-
     costs = step_costs(target, draft, ks)
     t_step = costs["target1"]
     c = costs["draft"] / t_step
     rows = []
     for k in ks:
-        stats = []
-
-        def ours(k=k, stats=stats):
-            stats.clear()
-            for p, ref in zip(prompts, reference, strict=True):
-                out, s = spec.greedy_speculative(target, draft, p, new, k=k)
-                check(out, ref, "speculative", k)
-                stats.append(s)
-
-        def hf_assisted(k=k):
-            for p, ref in zip(prompts, reference, strict=True):
-                check(hf_generate(hf_target, p, new, hf_draft, k), ref, "HF assisted", k)
-
-        warmup = 0 if rows else 1
-        # floor of plain decoding: each prompt's prefill FLOPs (the LM head at its last position), then each token's bytes (weights + cache)
-        plain_floor = sum(floors.floor_s(flops=floors.forward_flops(target, len(p), logits=1))
-                          + sum(floors.floor_s(bytes=floors.decode_bytes(target, len(p) + i)) for i in range(new))
-                          for p in prompts)  # fmt: skip
-        base, cand, ratio = bench.compare(
-            lambda: [target.generate(p, new, stop_at_eos=False) for p in prompts], ours, repeats, warmup
+        models = (target, draft, hf_target, hf_draft)
+        stats, (base, cand, ratio), (hf_base, hf_cand, hf_ratio) = at_k(
+            k, spec, models, prompts, reference, new, repeats, 0 if rows else 1
         )
-        # HF's generate is slower per call; fewer repeats keep the run short (its ratio is context, not the claim)
-        hf_base, hf_cand, hf_ratio = bench.compare(
-            lambda: [hf_generate(hf_target, p, new) for p in prompts], hf_assisted, max(1, repeats - 1), warmup
-        )
+        floor = plain_floor(target, prompts, new)
         rows.append(_row(k, stats, costs, speedup) | {"plain_s": base.median, "spec_s": cand.median, "speedup": ratio,
                      "hf_plain_s": hf_base.median, "hf_assist_s": hf_cand.median, "hf_speedup": hf_ratio,
-                     "plain floor s": round(plain_floor, 4), "plain vs floor": round(base.median / plain_floor, 2),
-                     "spec vs plain floor": round(cand.median / plain_floor, 2)})  # fmt: skip
+                     "plain floor s": round(floor, 4), "plain vs floor": round(base.median / floor, 2),
+                     "spec vs plain floor": round(cand.median / floor, 2)})  # fmt: skip
     best = max(rows, key=lambda r: r["speedup"])
     title = (
         f"stage 06: greedy speculative decoding, target {which}, draft {which_draft}, {len(prompts)} prompts x "
         f"{new} tokens, impl={current()}, median of {repeats}; c = {c:.3f}, target step {t_step * 1e3:.2f} ms"
     )
-    print(bench.table(rows, title=title))
+    bench.show(rows, title)
     print(f"best: k={best['k']} {best['speedup']:.2f}x (HF assisted at that k: {best['hf_speedup']:.2f}x), same output")
     figures = {"target": which, "draft": which_draft, "prompts": len(prompts), "new_tokens": new,
                "repeats": repeats, "draft_cost_ratio_c": c, "target_step_s": t_step, "best_k": best["k"],

@@ -20,13 +20,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from labkit import bench, early_exit, plot
-from labkit.bench import floors
 from labkit.checkpoint import load_tokenizer, require_real_model
 from labkit.device import pin_threads
-from labkit.impl import current, load
+from labkit.impl import current
 from labkit.testing import real_hf, real_labkit
 
-from .stage06 import hf_generate
+from .stage06 import hf_generate, plain_floor
 
 PROMPTS = [
     "<|im_start|>user\nWhat is the capital of France, and what is it famous for?<|im_end|>\n<|im_start|>assistant\n",
@@ -45,9 +44,42 @@ def hf_lookup(hf_target, prompt: list[int], n: int, k: int) -> list[int]:
 
 
 @torch.inference_mode()
+def checked(name: str, decode, prompts, reference, stats: dict):
+    """A timed variant: decode(prompt) -> tokens or (tokens, SpecStats); checks the tokens, keeps the stats."""
+
+    def fn():
+        stats[name] = []
+        for p, ref in zip(prompts, reference, strict=True):
+            out = decode(p)
+            if isinstance(out, tuple):
+                out, s = out
+                stats[name].append(s)
+            if out != ref:
+                raise AssertionError(f"{name}: the output differs from the target's greedy decoding")
+
+    return fn
+
+
+def rows_of(times: dict, stats: dict, floor: float) -> list[dict]:
+    """A row a variant: its time, its speedup over plain decoding on its own side (HF's or the course's), against
+    plain decoding's floor, and what the course's own loops accepted (HF's generate does not report it)."""
+    rows = []
+    for name, t in times.items():
+        base = times["hf plain" if name.startswith("hf") else "plain"].median
+        s = stats[name]
+        row = {"variant": name, "seconds": t.median, "speedup": base / t.median, "alpha": None, "accept_rate": None,
+               "tok_per_fwd": None, "vs plain decoding's floor": round(t.median / floor, 2)}  # fmt: skip
+        if s:
+            accepted, rejected = sum(x.accepted for x in s), sum(x.rejected for x in s)
+            row |= {"alpha": accepted / max(accepted + rejected, 1),
+                    "accept_rate": accepted / max(sum(x.proposed for x in s), 1),
+                    "tok_per_fwd": sum(x.generated for x in s) / sum(x.target_forwards for x in s)}  # fmt: skip
+        rows.append(row)
+    return rows
+
+
 def main(quick: bool = False) -> bench.Result:
-    spec = load("stage06_speculative.speculative")
-    lookup = load("stage06_speculative.prompt_lookup")
+    spec, lookup = bench.stages("stage06_speculative", "speculative", "prompt_lookup")
     pin_threads(1)  # as every benchmark: one thread, so other work on a 2-core machine disturbs it least
     # (layers, k) of the course's rows; HF's assisted generation runs the default draft at its k
     runs, new, repeats = ([(early_exit.LAYERS, 1)], 16, 1) if quick else ([(8, 1), (16, 1), (24, 1), (24, 2)], 32, 3)
@@ -73,49 +105,20 @@ def main(quick: bool = False) -> bench.Result:
     decoders["hf prompt lookup, k=4"] = lambda p: hf_lookup(hf_target, p, new, 4)
 
     stats: dict[str, list] = {}
-
-    def checked(name, decode):
-        """A timed variant: decode(prompt) -> tokens or (tokens, SpecStats); checks the tokens, keeps the stats."""
-
-        def fn():
-            stats[name] = []
-            for p, ref in zip(prompts, reference, strict=True):
-                out = decode(p)
-                if isinstance(out, tuple):
-                    out, s = out
-                    stats[name].append(s)
-                if out != ref:
-                    raise AssertionError(f"{name}: the output differs from the target's greedy decoding")
-
-        return fn
-
-    times = bench.interleaved({name: checked(name, d) for name, d in decoders.items()}, repeats, warmup=0)
-    # plain decoding's floor: each prompt's prefill FLOPs (the LM head at its last position), then each token's weight and cache bytes
-    plain_floor = sum(floors.floor_s(flops=floors.forward_flops(target, len(p), logits=1))
-                      + sum(floors.floor_s(bytes=floors.decode_bytes(target, len(p) + i)) for i in range(new))
-                      for p in prompts)  # fmt: skip
-    rows = []
-    for name, t in times.items():
-        base = times["hf plain" if name.startswith("hf") else "plain"].median
-        s = stats[name]
-        row = {"variant": name, "seconds": t.median, "speedup": base / t.median, "alpha": None, "accept_rate": None,
-               "tok_per_fwd": None, "vs plain decoding's floor": round(t.median / plain_floor, 2)}  # fmt: skip
-        if s:  # the course's own loops report what they accepted; HF's generate does not
-            accepted, rejected = sum(x.accepted for x in s), sum(x.rejected for x in s)
-            row |= {"alpha": accepted / max(accepted + rejected, 1),
-                    "accept_rate": accepted / max(sum(x.proposed for x in s), 1),
-                    "tok_per_fwd": sum(x.generated for x in s) / sum(x.target_forwards for x in s)}  # fmt: skip
-        rows.append(row)
+    fns = {name: checked(name, d, prompts, reference, stats) for name, d in decoders.items()}
+    times = bench.interleaved(fns, repeats, warmup=0)
+    floor = plain_floor(target, prompts, new)
+    rows = rows_of(times, stats, floor)
     title = (
         f"stage 06 on the real model: SmolLM2-135M-Instruct, early-exit drafts, {len(prompts)} prompts x {new} "
         f"tokens, impl={current()}, median of {repeats}; every row gives the target's greedy tokens"
     )
-    print(bench.table([{k: ("-" if v is None else v) for k, v in r.items()} for r in rows], title=title))
+    bench.show([{k: ("-" if v is None else v) for k, v in r.items()} for r in rows], title)
     ours = [r for r in rows if r["variant"].startswith("early exit")]
     best = max(ours, key=lambda r: r["speedup"])
     figures = {"target": folder.name, "prompts": len(prompts), "new_tokens": new, "repeats": repeats,
                "draft_layers": depth, "best": best["variant"], "best_speedup": best["speedup"],
-               "plain_floor_s": round(plain_floor, 4)}  # fmt: skip
+               "plain_floor_s": round(floor, 4)}  # fmt: skip
     return bench.Result(rows, figures, _plot(rows))
 
 

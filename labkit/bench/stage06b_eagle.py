@@ -39,6 +39,7 @@ over k + 1 tokens sums in another order than a one-token step, so a near-tie may
 """
 
 import contextlib
+import dataclasses
 
 import torch
 
@@ -113,11 +114,26 @@ def draft_step(eg, head, context: int = 96):
     return step
 
 
-@torch.inference_mode()
-def main(quick: bool = False) -> bench.Result:
+@dataclasses.dataclass
+class Setup:
+    """What every variant shares: the target and its heads, the held-out prompts, and the compiled plain decode
+    with the one cache it shares with EAGLE's compiled verification."""
+
+    eg: object
+    target: object
+    tok: object
+    heads: dict
+    prompts: list
+    new: int
+    plain: object
+    decoder: object
+    cache: object
+    verifier: StaticVerifier
+    reference: list
+
+
+def setup(n_prompts: int, new: int) -> Setup:
     eg = load("stage06_speculative.eagle")
-    pin_threads(1)
-    n_prompts, new, repeats = (2, 32, 1) if quick else (4, 64, 2)
     folder = require_real_model()
     target, tok = real_labkit(), load_tokenizer(folder)
     heads = {"EAGLE": eagle.load(eagle.REAL_EAGLE, target), "EAGLE, full LM head": eagle.load(eagle.REAL_EAGLE, target, full_vocab=True)}  # fmt: skip
@@ -127,7 +143,14 @@ def main(quick: bool = False) -> bench.Result:
     plain, decoder, cache = compiled_greedy(target, max(128, max(len(p) for p in prompts) + new + K + 1))
     reference = [plain(p, new) for p in prompts]  # also compiles the step before any timing
     verifier = StaticVerifier(target, cache, kernels="cpp")
+    return Setup(eg, target, tok, heads, prompts, new, plain, decoder, cache, verifier, reference)
 
+
+def variants(s: Setup):
+    """The decoders timed, name -> a closure over every prompt; EAGLE's runs, name -> (head, k, compiled), whose
+    verifications each closure counts into rounds[name] (drafted, accepted) and whose tokens land in
+    outputs[name]; Medusa's (tokens, stats) per prompt land in medusa_runs[name]."""
+    eg, target, prompts, new = s.eg, s.target, s.prompts, s.new
     rounds: dict[str, list[tuple[int, int]]] = {}
     verify = eg.verify
 
@@ -140,9 +163,9 @@ def main(quick: bool = False) -> bench.Result:
 
         return fn
 
-    runs = {f"{name}, k={K}": (head, K, True) for name, head in heads.items()}
-    runs[f"EAGLE, k={K}, eager verify"] = (heads["EAGLE"], K, False)
-    runs["EAGLE, k=2"] = (heads["EAGLE"], 2, True)  # fewer drafts: where acceptance is low, a cheaper round
+    runs = {f"{name}, k={K}": (head, K, True) for name, head in s.heads.items()}
+    runs[f"EAGLE, k={K}, eager verify"] = (s.heads["EAGLE"], K, False)
+    runs["EAGLE, k=2"] = (s.heads["EAGLE"], 2, True)  # fewer drafts: where acceptance is low, a cheaper round
     outputs = {name: [] for name in runs}
 
     def timed(name):
@@ -151,14 +174,14 @@ def main(quick: bool = False) -> bench.Result:
         def go():
             rounds[name], outputs[name] = [], []
             eg.verify = counted(name)
-            with compiled_verification(eg, target, cache, verifier, k) if compiled else contextlib.nullcontext():
+            with compiled_verification(eg, target, s.cache, s.verifier, k) if compiled else contextlib.nullcontext():
                 for p in prompts:
                     outputs[name].append(eg.eagle_generate(target, head, p, new, k=k)[0])
             eg.verify = verify
 
         return go
 
-    fns = {"plain, compiled step": lambda: [plain(p, new) for p in prompts]}
+    fns = {"plain, compiled step": lambda: [s.plain(p, new) for p in prompts]}
     fns["plain, eager model"] = lambda: [target.generate(p, new, stop_at_eos=False) for p in prompts]
     fns |= {name: timed(name) for name in runs}
     medusa_runs = {}  # Medusa heads on the same data (python -m labkit.train --only smollm2-medusa), eager verify
@@ -172,28 +195,37 @@ def main(quick: bool = False) -> bench.Result:
                 medusa_runs[name] = [md.medusa_generate(target, heads_m, p, new, paths=paths) for p in prompts]
 
             fns[name] = go
-    for name in runs:  # compiles the verification of k + 1 tokens
-        fns[name]()
-    times = bench.interleaved(fns, repeats, warmup=0)  # the reference run above compiled the plain step
+    return fns, runs, rounds, outputs, medusa_runs
+
+
+def step_costs(s: Setup, quick: bool) -> dict:
+    """Timings of a target step (compiled, eager), a verification of k + 1 tokens (eager, compiled) and a draft
+    step of each head, at 96 cached positions."""
+    eg, target, cache = s.eg, s.target, s.cache
 
     def compiled_step():
-        decoder(torch.ones(1, 1, dtype=torch.long))
+        s.decoder(torch.ones(1, 1, dtype=torch.long))
         cache.truncate(cache.length - 1)
 
     cache.truncate(0)
     target(torch.ones(1, 96, dtype=torch.long), cache)
-    costs = bench.interleaved(
+    return bench.interleaved(
         {"target step, compiled": compiled_step, "target step, eager": bench.decode_step(target, 96, 1),
          f"verify {K + 1} tokens, eager": bench.decode_step(target, 96, K + 1),
-         f"verify {K + 1} tokens, compiled": lambda: (verifier(torch.ones(1, K + 1, dtype=torch.long)), cache.truncate(96)),
-         **{f"draft step, {name}": draft_step(eg, head) for name, head in heads.items()}},
+         f"verify {K + 1} tokens, compiled": lambda: (s.verifier(torch.ones(1, K + 1, dtype=torch.long)), cache.truncate(96)),
+         **{f"draft step, {name}": draft_step(eg, head) for name, head in s.heads.items()}},
         10 if quick else 30, warmup=3,
     )  # fmt: skip
-    unit = costs["target step, compiled"].median
+
+
+def decoder_rows(s: Setup, fns, runs, rounds, outputs, medusa_runs, times) -> list[dict]:
+    """One row a decoder: its acceptance, how many prompts it decoded exactly as the compiled baseline, its
+    time and speedup, and its floor (the plain decode's bytes)."""
+    prompts, reference = s.prompts, s.reference
     base = times["plain, compiled step"].median
     medusa_accepted = {}
-    context = max(len(p) for p in prompts) + new // 2  # a step's mean context, for the bytes it must read
-    floor_bytes = len(prompts) * new * floors.decode_bytes(target, context)
+    context = max(len(p) for p in prompts) + s.new // 2  # a step's mean context, for the bytes it must read
+    floor_bytes = len(prompts) * s.new * floors.decode_bytes(s.target, context)
     for name, results in medusa_runs.items():
         outputs[name] = [out for out, _ in results]
         stats = [st for _, st in results]
@@ -218,33 +250,55 @@ def main(quick: bool = False) -> bench.Result:
             "speedup": base / times[name].median,
             **floors.row(times[name].median, bytes=floor_bytes),
         })  # fmt: skip
-    cost_rows = {name: round(t.median / unit, 3) for name, t in costs.items()}
+    return rows
+
+
+def engine_rows(s: Setup, quick: bool) -> list[dict]:
+    """The EAGLE head inside stage 06's batching engine (stage06b.sweep), or one row with the error when a
+    near-tie made an engine's tokens differ from the eager model's."""
     eng = load("stage06_speculative.batch_engine")
-    engine_prompts = [tok.encode(p).ids for p in eagle_data.prompts(max(ENGINE_CONCURRENCY), heldout=True)]
-    engine_costs = eng.Costs.measure(target, heads["EAGLE"], ENGINE_CONCURRENCY, k_max=K)
+    engine_prompts = [s.tok.encode(p).ids for p in eagle_data.prompts(max(ENGINE_CONCURRENCY), heldout=True)]
+    engine_costs = eng.Costs.measure(s.target, s.heads["EAGLE"], ENGINE_CONCURRENCY, k_max=K)
     try:  # sweep checks every engine's tokens against the eager model's greedy decoding
-        engine_rows = sweep(target, heads["EAGLE"], engine_prompts, 16 if quick else 24, ENGINE_CONCURRENCY, K,
-                            engine_costs, repeats=1, k_max=K, warmup=0)  # fmt: skip
-        print(bench.table(engine_rows, title=f"EAGLE inside the batching engine, k = {K} fixed or choose_k up to {K}"))
+        rows = sweep(s.target, s.heads["EAGLE"], engine_prompts, 16 if quick else 24, ENGINE_CONCURRENCY, K,
+                     engine_costs, repeats=1, k_max=K, warmup=0)  # fmt: skip
+        bench.show(rows, f"EAGLE inside the batching engine, k = {K} fixed or choose_k up to {K}")
     except AssertionError as e:  # a near-tie the k + 1-token verification rounds the other way: say so, keep the rest
-        engine_rows = [{"error": str(e)}]
+        rows = [{"error": str(e)}]
         print("engine sweep:", e)
+    return rows
+
+
+@torch.inference_mode()
+def main(quick: bool = False) -> bench.Result:
+    pin_threads(1)
+    n_prompts, new, repeats = (2, 32, 1) if quick else (4, 64, 2)
+    s = setup(n_prompts, new)
+    fns, runs, rounds, outputs, medusa_runs = variants(s)
+    for name in runs:  # compiles the verification of k + 1 tokens
+        fns[name]()
+    times = bench.interleaved(fns, repeats, warmup=0)  # the reference run above compiled the plain step
+    costs = step_costs(s, quick)
+    unit = costs["target step, compiled"].median
+    rows = decoder_rows(s, fns, runs, rounds, outputs, medusa_runs, times)
+    cost_rows = {name: round(t.median / unit, 3) for name, t in costs.items()}
+    engine = engine_rows(s, quick)
     title = (
         f"stage 06b EAGLE: SmolLM2-135M-Instruct, head {eagle.REAL_EAGLE.name} "
-        f"(vocab {len(heads['EAGLE'].vocab)}), {len(prompts)} held-out prompts x {new} tokens, greedy, "
+        f"(vocab {len(s.heads['EAGLE'].vocab)}), {len(s.prompts)} held-out prompts x {new} tokens, greedy, "
         f"impl={current()}, median of {repeats}"
     )
-    print(bench.table(rows, title=title))
+    bench.show(rows, title)
     print(
         "costs in compiled target steps ("
         + f"{unit * 1e3:.1f} ms): "
         + ", ".join(f"{n} {c}" for n, c in cost_rows.items())
     )
-    figures = {"prompts": len(prompts), "new_tokens": new, "repeats": repeats, "k": K,
+    figures = {"prompts": len(s.prompts), "new_tokens": new, "repeats": repeats, "k": K,
                "target_step_compiled_s": unit, "costs_in_compiled_target_steps": cost_rows,
-               "head_vocab": len(heads["EAGLE"].vocab), "engine": engine_rows, **floors.figures(),
-               "engine_crossover_fixed_k": crossover(engine_rows) if "error" not in engine_rows[0] else None,
-               "engine_crossover_adaptive": crossover(engine_rows, "adaptive_speedup") if "error" not in engine_rows[0] else None}  # fmt: skip
+               "head_vocab": len(s.heads["EAGLE"].vocab), "engine": engine, **floors.figures(),
+               "engine_crossover_fixed_k": crossover(engine) if "error" not in engine[0] else None,
+               "engine_crossover_adaptive": crossover(engine, "adaptive_speedup") if "error" not in engine[0] else None}  # fmt: skip
     return bench.Result(rows, figures, _plot(rows))
 
 

@@ -20,7 +20,7 @@ import torch
 from labkit import ASSETS, bench, medusa, plot
 from labkit.bench import floors
 from labkit.device import pin_threads
-from labkit.impl import current, load
+from labkit.impl import current
 from labkit.quality import heldout
 
 from .stage06 import refuse_real_without_draft
@@ -34,10 +34,30 @@ def heads_folder() -> Path:
 
 
 @torch.inference_mode()
+def rows_of(runs: dict, stats: dict, times: dict, step: dict, floor_bytes: float) -> list[dict]:
+    """Plain greedy's row, then one a drafter: tokens per target forward, the verification's width and cost in
+    plain steps, time and speedup. Every row's floor is plain decoding's, as in stage06b_eagle: one step per
+    token reading the target's weights and a mean context's cache (`floor_bytes`); a drafter that accepts
+    several tokens per step can go under it."""
+    rows = [{"drafter": "none (plain greedy)", "tok_per_fwd": 1.0, "verify_tokens": 1, "verify_cost_v": 1.0,
+             "seconds": times["plain"].median, "speedup": 1.0,
+             **floors.row(times["plain"].median, bytes=floor_bytes)}]  # fmt: skip
+    for name, (_, width) in runs.items():
+        s = stats[name]
+        rows.append({
+            "drafter": name,
+            "tok_per_fwd": sum(x.generated for x in s) / sum(x.target_forwards for x in s),
+            "verify_tokens": width,
+            "verify_cost_v": step[width].median / step[1].median,
+            "seconds": times[name].median,
+            "speedup": times["plain"].median / times[name].median,
+            **floors.row(times[name].median, bytes=floor_bytes),
+        })  # fmt: skip
+    return rows
+
+
 def main(quick: bool = False) -> bench.Result:
-    spec = load("stage06_speculative.speculative")
-    lookup = load("stage06_speculative.prompt_lookup")
-    med = load("stage06_speculative.medusa")
+    spec, lookup, med = bench.stages("stage06_speculative", "speculative", "prompt_lookup", "medusa")
     pin_threads(1)  # batch-1 decoding of a 6.6M-parameter model: threads only add noise on a shared CPU
     n_prompts, new, repeats, k = (1, 48, 1, 4) if quick else (2, 96, 3, 4)
     refuse_real_without_draft()
@@ -70,28 +90,14 @@ def main(quick: bool = False) -> bench.Result:
     times = bench.interleaved(fns, repeats, warmup=1)
     widths = sorted({1, *(n for _, n in runs.values())})
     step = bench.interleaved({n: bench.decode_step(target, 96, n) for n in widths}, 10 if quick else 30, warmup=3)
-    # every row's floor is plain decoding's, as in stage06b_eagle: one step per token reading the target's
-    # weights and a mean context's cache; a drafter that accepts several tokens per step can go under it
-    floor_bytes = len(prompts) * new * floors.decode_bytes(target, len(prompts[0]) + new // 2)
-    rows = [{"drafter": "none (plain greedy)", "tok_per_fwd": 1.0, "verify_tokens": 1, "verify_cost_v": 1.0,
-             "seconds": times["plain"].median, "speedup": 1.0,
-             **floors.row(times["plain"].median, bytes=floor_bytes)}]  # fmt: skip
-    for name, (_, width) in runs.items():
-        s = stats[name]
-        rows.append({
-            "drafter": name,
-            "tok_per_fwd": sum(x.generated for x in s) / sum(x.target_forwards for x in s),
-            "verify_tokens": width,
-            "verify_cost_v": step[width].median / step[1].median,
-            "seconds": times[name].median,
-            "speedup": times["plain"].median / times[name].median,
-            **floors.row(times[name].median, bytes=floor_bytes),
-        })  # fmt: skip
+    rows = rows_of(
+        runs, stats, times, step, len(prompts) * new * floors.decode_bytes(target, len(prompts[0]) + new // 2)
+    )
     title = (
         f"stage 06b Medusa: target {which}, heads {heads_folder().name} (K={heads.num_heads}), draft {which_draft}, "
         f"{len(prompts)} prompts x {new} tokens, impl={current()}, median of {repeats}"
     )
-    print(bench.table(rows, title=title))
+    bench.show(rows, title)
     best = max(rows[1:], key=lambda r: r["speedup"])
     print(f"best: {best['drafter']} {best['speedup']:.2f}x, every run identical to plain greedy")
     figures = {"target": which, "draft": which_draft, "heads": heads.num_heads, "prompts": len(prompts),

@@ -46,15 +46,11 @@ def policies(pol) -> dict:
     }
 
 
-def main(quick: bool = False) -> bench.Result:
-    sim, pol = load("stage07_tensor_parallel.fleet.simulator"), load("stage07_tensor_parallel.fleet.policies")
-    loadgen, slo = load("stage07_tensor_parallel.fleet.loadgen"), load("stage07_tensor_parallel.fleet.slo")
-    torch.set_num_threads(1)  # one replica, one core
-    model, which = bench.model()
-
-    rounds = 1 if quick else 3
+def fit_costs(sim, model, which: str, quick: bool):
+    """The fitted step cost of this run's timed engine steps, the samples, the fit's predicted/measured ratios,
+    and the fitted decode step at context 256 for a few batch sizes."""
     samples = []
-    for r in range(rounds):
+    for r in range(1 if quick else 3):
         samples += sim.measure_step_costs(model, seed=r)
     cost = sim.StepCost.fit(samples)
     ratio = [cost.ragged(b) / s for b, s in samples]
@@ -63,8 +59,11 @@ def main(quick: bool = False) -> bench.Result:
     print(f"fit on its own samples: predicted/measured median {statistics.median(ratio):.2f}, "
           f"p10 {np.percentile(ratio, 10):.2f}, p90 {np.percentile(ratio, 90):.2f}; a decode step at context 256 "
           + ", ".join(f"B={b}: {t * 1e3:.1f} ms" for b, t in decode.items()))  # fmt: skip
+    return cost, samples, ratio, decode
 
-    # The simulator against the real thing: one replica, the same requests, measured on the wall clock.
+
+def check_simulator(sim, pol, loadgen, slo, model, cost, quick: bool) -> dict:
+    """The simulator against the real thing: one replica, the same requests, measured on the wall clock."""
     check = loadgen.conversation_trace(30 if quick else 60, 1.0, system_prompts=8, system_length=512,
                                        max_turns=4, output_length=(8, 32), seed=1)  # fmt: skip
     real = replay(load("stage07_tensor_parallel.fleet.replica_engine"), model, check)
@@ -75,18 +74,24 @@ def main(quick: bool = False) -> bench.Result:
         versus[label] = {k: s[k] for k in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90", "e2e_p50", "e2e_p90")}
     print(bench.table([{"one replica, 1 req/s": k, **{m: f"{v * 1e3:.0f} ms" for m, v in d.items()}}
                        for k, d in versus.items()], title="the simulator against a real ReplicaEngine"))  # fmt: skip
+    return versus
 
-    n = 300 if quick else 800
-    bound = slo.SLO(ttft=1.0, tpot=0.1)
-    # Long shared prefixes and short answers, the shape of Mooncake's trace (thousands of prompt tokens, a few
-    # hundred out) scaled to the tiny target's 1,024 positions; the no-reuse trace has the same lengths.
+
+def fleet_traces(loadgen, n: int) -> dict:
+    """Long shared prefixes and short answers, the shape of Mooncake's trace (thousands of prompt tokens, a few
+    hundred out) scaled to the tiny target's 1,024 positions; the no-reuse trace has the same lengths."""
     shape = dict(max_turns=4, output_length=(8, 32))
-    traces = {
+    return {
         "shared prefix": loadgen.conversation_trace(n, 1.0, system_prompts=8, system_length=512, **shape, seed=0),
         "no reuse": loadgen.conversation_trace(
             n, 1.0, system_prompts=0, **shape | dict(max_turns=1), user_length=(520, 656), seed=0
         ),  # fmt: skip
     }
+
+
+def sweep_policies(sim, pol, slo, cost, traces, bound, quick: bool) -> tuple[list[dict], dict, dict]:
+    """Per trace and policy: the knee (bisected), the curve on a grid scaled to this run's knees, and a row at
+    half round-robin's knee with the knee's cost."""
     mean_out = {k: statistics.mean(r.output_length for r in t) for k, t in traces.items()}
 
     def run(trace_name: str, policy_name: str, rate: float):
@@ -123,9 +128,21 @@ def main(quick: bool = False) -> bench.Result:
                          "$/M output tokens": slo.cost_per_million_tokens(price, knee * mean_out[trace_name]),
                          "at req/s (half RR's knee)": at["rate"], "prefill tokens": at["prefill_tokens"],
                          "requests per replica": str(at["requests_per_replica"])})  # fmt: skip
+    return rows, knees, curves
+
+
+def main(quick: bool = False) -> bench.Result:
+    sim, pol, loadgen, slo = bench.stages("stage07_tensor_parallel.fleet", "simulator", "policies", "loadgen", "slo")
+    torch.set_num_threads(1)  # one replica, one core
+    model, which = bench.model()
+    cost, samples, ratio, decode = fit_costs(sim, model, which, quick)
+    versus = check_simulator(sim, pol, loadgen, slo, model, cost, quick)
+    n, bound, price = 300 if quick else 800, slo.SLO(ttft=1.0, tpot=0.1), REPLICAS * VCPU_DOLLARS_PER_HOUR
+    traces = fleet_traces(loadgen, n)
+    rows, knees, curves = sweep_policies(sim, pol, slo, cost, traces, bound, quick)
     title = (f"simulated {REPLICAS}-replica fleet: knee = highest rate with {TARGET:.0%} of requests within TTFT <= "
              f"{bound.ttft} s and TPOT <= {bound.tpot * 1e3:.0f} ms; cost at ${price:.3f}/h ({REPLICAS} vCPUs)")  # fmt: skip
-    print(bench.table(rows, title=title))
+    bench.show(rows, title)
     for trace_name in traces:
         rr = knees[(trace_name, "round_robin")]
         print(f"{trace_name}: knee / round-robin's: "
@@ -153,7 +170,7 @@ def main(quick: bool = False) -> bench.Result:
             "requests": n,
             "dollars_per_hour": price,
             "price_source": "labkit.specs.VCPU_DOLLARS_PER_HOUR x replicas",
-            "mean_output_tokens": mean_out,
+            "mean_output_tokens": {k: statistics.mean(r.output_length for r in t) for k, t in traces.items()},
             "curves": {f"{t} / {p}": c for (t, p), c in curves.items()},
         },  # fmt: skip
     }

@@ -29,12 +29,12 @@ from labkit.bench import floors
 from labkit.checkpoint import model_folder
 from labkit.device import pin_threads
 from labkit.distributed import launch
-from labkit.impl import load
 from labkit.quality import heldout
 
 REPLICAS = 4
 TARGET = 0.9  # the fraction of requests that must meet the SLO at the knee
 PAGE = 16
+FLEET = "stage07_tensor_parallel.fleet"
 
 
 def timed_prefill_decode(folder, prompts, new_tokens, modules):
@@ -118,25 +118,15 @@ def measured(model, prompts, new_tokens, kv, eng) -> list[dict]:
     return rows
 
 
-def main(quick: bool = False) -> bench.Result:
-    sim, pol = load("stage07_tensor_parallel.fleet.simulator"), load("stage07_tensor_parallel.fleet.policies")
-    loadgen, slo, planner = (load(f"stage07_tensor_parallel.fleet.{m}") for m in ("loadgen", "slo", "planner"))
-    kv, eng = load("stage07_tensor_parallel.fleet.kv_connector"), load("stage07_tensor_parallel.fleet.replica_engine")
-    torch.set_num_threads(1)
-    model, which = bench.model()
-
-    # Measured: a few prompts, one at a time, on one core per engine.
-    tokens = heldout(bench.tokenizer(), n_tokens=8192, seq=1024).flatten().tolist()
-    lengths, repeats, new_tokens = ([128, 512], 2, 8) if quick else ([64, 256, 512, 896], 3, 16)
-    prompts = [tokens[r * 11 + n : r * 11 + 2 * n] for n in lengths for r in range(repeats)]
-    per_prompt = measured(model, prompts, new_tokens, kv, eng)
+def measured_rows(model, per_prompt: list[dict], lengths: list[int]) -> list[dict]:
+    """Per prompt length and mode, the median of the per-prompt rows, with its floors: TTFT, the prompt's prefill
+    FLOPs; the transfer, its KV bytes read and written once at the streaming rate (loopback moves them in memory);
+    a later token, one step's read of the weights and K/V."""
     rows = []
     for n in lengths:
         for mode in ("colocated", "disaggregated"):
             rs = [r for r in per_prompt if r["prompt_tokens"] == n and r["mode"] == mode]
             row = {k: statistics.median(r[k] for r in rs) if isinstance(v, float) else v for k, v in rs[0].items()}
-            # floors: TTFT, the prompt's prefill FLOPs; the transfer, its KV bytes read and written once at the
-            # streaming rate (loopback moves them in memory); a later token, one step's read of the weights and K/V
             row |= floors.row(row["ttft_ms"] / 1e3, flops=floors.forward_flops(model, n, logits=1), name="ttft")
             if row["transfer_bytes"]:
                 row |= floors.row(row["transfer_ms"] / 1e3, bytes=2 * row["transfer_bytes"], name="transfer")
@@ -144,59 +134,61 @@ def main(quick: bool = False) -> bench.Result:
                 row
                 | floors.row(row["later_itl_median_ms"] / 1e3, bytes=floors.decode_bytes(model, n), name="later_itl")
             )
-    print(bench.table(rows, title=f"measured on this machine, {which}: one request at a time, median of {repeats}"))
+    return rows
 
-    # Simulated at fleet scale, from step costs and transfers measured in this run.
-    samples = sim.measure_step_costs(model, seed=0)
-    cost = sim.StepCost.fit(samples)
-    per_token = kv.kv_bytes_per_token(model.config, torch.float32)
-    transfer = sim.Transfer.fit(
-        [(r["transfer_bytes"], r["transfer_ms"] / 1e3) for r in per_prompt if r["mode"] == "disaggregated"], per_token
-    )
-    print(f"fitted {cost}; transfer {transfer.latency * 1e3:.2f} ms + {transfer.bytes_per_second / 1e9:.2f} GB/s")
-    n = 200 if quick else 500
-    trace = loadgen.conversation_trace(
-        n, 1.0, system_prompts=0, max_turns=1, user_length=(520, 656), output_length=(32, 128), seed=0
-    )
-    decode_step = cost(16, 1, 700)  # a full decode batch at this trace's context
-    slos = {"loose": slo.SLO(ttft=1.0, tpot=0.1), "tight TPOT": slo.SLO(ttft=1.0, tpot=round(2 * decode_step, 4))}
-    # name -> (prefill replicas, max_num_batched_tokens): colocated at two chunk sizes, then every split
-    modes = {"colocated": (0, 256), "colocated (chunk 64)": (0, 64)}
-    modes |= {f"{p}P:{REPLICAS - p}D": (p, 256) for p in range(1, REPLICAS)}
 
-    def simulate(rate, mode=(0, 256), replicas=REPLICAS):
-        scaled = [dataclasses.replace(r, timestamp=r.timestamp / rate) for r in trace]
+@dataclasses.dataclass
+class Fleet:
+    """One trace replayed by simulator.simulate at any rate, colocated or split, with this run's step costs
+    and transfer."""
+
+    sim: object
+    pol: object
+    slo: object
+    trace: list
+    cost: object
+    transfer: object
+
+    def simulate(self, rate, mode=(0, 256), replicas=REPLICAS):
+        """mode: (prefill replicas, max_num_batched_tokens); (0, chunk) is colocated."""
+        scaled = [dataclasses.replace(r, timestamp=r.timestamp / rate) for r in self.trace]
         prefill, chunk = mode
-        res = sim.simulate(scaled, pol.LeastOutstanding(), cost, replicas=replicas, cache_tokens=2048,
-                           max_num_batched_tokens=chunk, prefill_replicas=prefill,
-                           transfer=transfer if prefill else None)  # fmt: skip
-        return res, [slo.request_metrics(s, t) for s, t in zip(res.sent, res.token_times, strict=True)]
+        res = self.sim.simulate(scaled, self.pol.LeastOutstanding(), self.cost, replicas=replicas, cache_tokens=2048,
+                                max_num_batched_tokens=chunk, prefill_replicas=prefill,
+                                transfer=self.transfer if prefill else None)  # fmt: skip
+        return res, [self.slo.request_metrics(s, t) for s, t in zip(res.sent, res.token_times, strict=True)]
 
-    def knee(bound, **kw):
-        return slo.max_rate_meeting(lambda r: slo.attainment(simulate(r, **kw)[1], bound), TARGET, 0.1, 200.0, 0.05)
+    def knee(self, bound, **kw):
+        """The highest rate at which TARGET of the requests meet `bound`."""
+        slo = self.slo
+        return slo.max_rate_meeting(
+            lambda r: slo.attainment(self.simulate(r, **kw)[1], bound), TARGET, 0.1, 200.0, 0.05
+        )
 
-    knees = {(s, m): knee(bound, mode=p) for s, bound in slos.items() for m, p in modes.items()}
-    top = max(knees.values())
-    grid = sorted({round(top * f, 2) for f in ((0.2, 0.5, 0.8, 1.0, 1.2) if quick else (0.1, 0.2, 0.3, 0.4, 0.5, 0.6,
-                                                                                     0.7, 0.8, 0.9, 1.0, 1.1, 1.25))})  # fmt: skip
-    curves = {}
-    for mode, p in modes.items():
+    def curve(self, grid, mode, slos) -> list[dict]:
+        """Latencies and goodput under each SLO at each rate of `grid`."""
         curve = []
         for rate in grid:
-            res, metrics = simulate(rate, mode=p)
-            s = slo.summarize(metrics)
+            res, metrics = self.simulate(rate, mode=mode)
+            s = self.slo.summarize(metrics)
             gaps = [t[1] - t[0] for t in res.token_times if len(t) > 1]
             curve.append({
                 "rate": rate, "ttft_p50": s["ttft_p50"], "ttft_p99": s["ttft_p99"], "itl_p99": s["itl_p99"],
                 "second_token_gap_p50": statistics.median(gaps), "tpot_p50": s["tpot_p50"],
-                **{f"goodput ({k})": slo.goodput(metrics, b, res.duration) for k, b in slos.items()},
+                **{f"goodput ({k})": self.slo.goodput(metrics, b, res.duration) for k, b in slos.items()},
             })  # fmt: skip
-        curves[mode] = curve
+        return curve
+
+
+def simulated_rows(modes, slos, knees, curves, grid) -> tuple[list[dict], float, float]:
+    """Each mode's knees and its latencies at half colocated's loose knee and at that knee (the grid's nearest
+    rates); and those two rates."""
 
     def nearest(rate):
         return grid[min(range(len(grid)), key=lambda i: abs(grid[i] - rate))]
 
     half, full = nearest(knees[("loose", "colocated")] / 2), nearest(knees[("loose", "colocated")])
+    rows = []
     for mode in modes:
         at = next(c for c in curves[mode] if c["rate"] == half)
         at_knee = next(c for c in curves[mode] if c["rate"] == full)
@@ -207,37 +199,99 @@ def main(quick: bool = False) -> bench.Result:
             "at colocated's knee req/s": full, "ttft_p50_ms (knee)": at_knee["ttft_p50"] * 1e3,
             "itl_p99_ms (knee)": at_knee["itl_p99"] * 1e3,
         })  # fmt: skip
-    sim_rows = [r for r in rows if r["part"] == "simulated"]
-    print(
-        bench.table(
-            sim_rows,
-            title=(
-                f"simulated {REPLICAS} replicas, {n} requests (prompts 520-656, answers 32-128 tokens), least-outstanding; "
-                f"knee = highest rate with {TARGET:.0%} within TTFT <= 1 s and TPOT <= 100 ms (loose) or "
-                f"{slos['tight TPOT'].tpot * 1e3:.1f} ms (tight); latencies at {half} req/s (half colocated's loose knee) "
-                f"and at {full} req/s (its knee)"
-            ),
-        )
-    )
+    return rows, half, full
 
-    # DistServe's planner: each phase's goodput alone (the other phase given ample replicas), then the split.
-    ample = 8
+
+def plan(fleet: Fleet, planner, slos, modes, knees) -> tuple[float, dict, dict]:
+    """DistServe's planner: each phase's goodput alone (the other phase given ample replicas), then the split;
+    printed beside the best split the simulation found."""
+    slo, ample = fleet.slo, 8
     g_prefill = slo.max_rate_meeting(
-        lambda r: slo.attainment(simulate(r, mode=(1, 256), replicas=1 + ample)[1], slo.SLO(ttft=1.0)),
+        lambda r: slo.attainment(fleet.simulate(r, mode=(1, 256), replicas=1 + ample)[1], slo.SLO(ttft=1.0)),
         TARGET,
         0.1,
         200.0,
         0.05,
     )
     g_decode = {k: slo.max_rate_meeting(
-        lambda r, b=b: slo.attainment(simulate(r, mode=(ample, 256), replicas=ample + 1)[1], slo.SLO(tpot=b.tpot)),
+        lambda r, b=b: slo.attainment(fleet.simulate(r, mode=(ample, 256), replicas=ample + 1)[1], slo.SLO(tpot=b.tpot)),
         TARGET, 0.1, 200.0, 0.05) for k, b in slos.items()}  # fmt: skip
     plans = {k: planner.best_split(REPLICAS, g_prefill, g) for k, g in g_decode.items()}
-    for k, plan in plans.items():
+    for k, p in plans.items():
         best = max((m for m in modes if modes[m][0]), key=lambda m: knees[(k, m)])
-        print(f"planner ({k}): g_p {g_prefill:.2f} req/s, g_d {g_decode[k]:.2f} req/s -> {plan.prefill}P:{plan.decode}D, "
-              f"{plan.goodput:.2f} req/s predicted; simulated best split {best} at {knees[(k, best)]:.2f} req/s, "
+        print(f"planner ({k}): g_p {g_prefill:.2f} req/s, g_d {g_decode[k]:.2f} req/s -> {p.prefill}P:{p.decode}D, "
+              f"{p.goodput:.2f} req/s predicted; simulated best split {best} at {knees[(k, best)]:.2f} req/s, "
               f"colocated {knees[(k, 'colocated')]:.2f} req/s")  # fmt: skip
+    return g_prefill, g_decode, plans
+
+
+def fit_fleet(model, per_prompt, kv, quick) -> tuple[Fleet, list, int]:
+    """The simulated fleet: step costs measured in this run, the transfer fitted to the measured rows, and a trace
+    of long prompts (520-656 tokens, no reuse) with 32-128-token answers; also the step samples and the
+    KV bytes a token."""
+    sim, pol, loadgen, slo = bench.stages(FLEET, "simulator", "policies", "loadgen", "slo")
+    samples = sim.measure_step_costs(model, seed=0)
+    cost = sim.StepCost.fit(samples)
+    per_token = kv.kv_bytes_per_token(model.config, torch.float32)
+    transfer = sim.Transfer.fit(
+        [(r["transfer_bytes"], r["transfer_ms"] / 1e3) for r in per_prompt if r["mode"] == "disaggregated"], per_token
+    )
+    print(f"fitted {cost}; transfer {transfer.latency * 1e3:.2f} ms + {transfer.bytes_per_second / 1e9:.2f} GB/s")
+    trace = loadgen.conversation_trace(
+        200 if quick else 500, 1.0, system_prompts=0, max_turns=1, user_length=(520, 656), output_length=(32, 128),
+        seed=0,
+    )  # fmt: skip
+    return Fleet(sim, pol, slo, trace, cost, transfer), samples, per_token
+
+
+def scenarios(fleet: Fleet) -> tuple[dict, dict]:
+    """The two SLOs (a loose one, and one whose TPOT is twice a full decode batch's step at this trace's context)
+    and the modes: name -> (prefill replicas, max_num_batched_tokens), colocated at two chunk sizes, then every
+    split."""
+    slo = fleet.slo
+    decode_step = fleet.cost(16, 1, 700)
+    slos = {"loose": slo.SLO(ttft=1.0, tpot=0.1), "tight TPOT": slo.SLO(ttft=1.0, tpot=round(2 * decode_step, 4))}
+    modes = {"colocated": (0, 256), "colocated (chunk 64)": (0, 64)}
+    modes |= {f"{p}P:{REPLICAS - p}D": (p, 256) for p in range(1, REPLICAS)}
+    return slos, modes
+
+
+def rate_grid(top: float, quick: bool) -> list[float]:
+    """The rates the curves are drawn at, as fractions of the highest knee."""
+    fractions = (0.2, 0.5, 0.8, 1.0, 1.2) if quick else (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25)
+    return sorted({round(top * f, 2) for f in fractions})
+
+
+def main(quick: bool = False) -> bench.Result:
+    kv, eng, planner = bench.stages(FLEET, "kv_connector", "replica_engine", "planner")
+    torch.set_num_threads(1)
+    model, which = bench.model()
+
+    # Measured: a few prompts, one at a time, on one core per engine.
+    tokens = heldout(bench.tokenizer(), n_tokens=8192, seq=1024).flatten().tolist()
+    lengths, repeats, new_tokens = ([128, 512], 2, 8) if quick else ([64, 256, 512, 896], 3, 16)
+    prompts = [tokens[r * 11 + n : r * 11 + 2 * n] for n in lengths for r in range(repeats)]
+    per_prompt = measured(model, prompts, new_tokens, kv, eng)
+    rows = measured_rows(model, per_prompt, lengths)
+    bench.show(rows, f"measured on this machine, {which}: one request at a time, median of {repeats}")
+
+    # Simulated at fleet scale, from step costs and transfers measured in this run.
+    fleet, samples, per_token = fit_fleet(model, per_prompt, kv, quick)
+    n = len(fleet.trace)
+    slos, modes = scenarios(fleet)
+    knees = {(s, m): fleet.knee(bound, mode=p) for s, bound in slos.items() for m, p in modes.items()}
+    grid = rate_grid(max(knees.values()), quick)
+    curves = {mode: fleet.curve(grid, p, slos) for mode, p in modes.items()}
+    sim_rows, half, full = simulated_rows(modes, slos, knees, curves, grid)
+    rows += sim_rows
+    bench.show(
+        sim_rows,
+        f"simulated {REPLICAS} replicas, {n} requests (prompts 520-656, answers 32-128 tokens), least-outstanding; "
+        f"knee = highest rate with {TARGET:.0%} within TTFT <= 1 s and TPOT <= 100 ms (loose) or "
+        f"{slos['tight TPOT'].tpot * 1e3:.1f} ms (tight); latencies at {half} req/s (half colocated's loose knee) "
+        f"and at {full} req/s (its knee)",
+    )
+    g_prefill, g_decode, plans = plan(fleet, planner, slos, modes, knees)
 
     figures = {
         "model": which,
@@ -245,10 +299,10 @@ def main(quick: bool = False) -> bench.Result:
             "what": "one request at a time; colocated = one ReplicaEngine, disaggregated = two gloo ranks on loopback",
             "new_tokens": new_tokens,
             "repeats": repeats,
-            "step_cost": dataclasses.asdict(cost),
+            "step_cost": dataclasses.asdict(fleet.cost),
             "steps_timed": len(samples),
-            "transfer_latency_ms": transfer.latency * 1e3,
-            "transfer_gb_per_s": transfer.bytes_per_second / 1e9,
+            "transfer_latency_ms": fleet.transfer.latency * 1e3,
+            "transfer_gb_per_s": fleet.transfer.bytes_per_second / 1e9,
             "kv_bytes_per_token": per_token,
         },  # fmt: skip
         "simulated": {

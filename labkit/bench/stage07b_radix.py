@@ -66,6 +66,42 @@ def serve_chats(model, prefix_cache: str, page_size: int, system_prompt, questio
     return eng.stats, ttft, out
 
 
+def cache_rows(model, t: dict, ttfts: dict, answers: int, prompt: int, max_num_seqs: int) -> list[dict]:
+    """A row an engine: hit rate, prompt tokens computed, median TTFT and wall time with their floors; every
+    engine's greedy tokens must equal the engine's without a cache. `answers`: the answer tokens of the run;
+    `prompt`: the shortest prompt (system prompt and question)."""
+    reference = t["no cache"].last[1]
+    rows = []
+    for name, timing in t.items():
+        stats, out = timing.last
+        if out != reference:
+            raise AssertionError(f"{name}: the engine's greedy tokens differ from the engine without a cache")
+        # floors of the model work each figure contains (queueing and Python are above them): a TTFT, what a
+        # request whose prompt is all cached still does, one step reading the weights and the shortest prompt's
+        # K/V; the whole run, every computed prompt token and answer token through the matrices (attention to
+        # one key each, a lower bound) at the GEMM rate, or the weights read once per decode step of up to
+        # max_num_seqs answers, whichever is slower
+        ttft_floor = floors.row(
+            statistics.median(ttfts[name][1:]), bytes=floors.decode_bytes(model, prompt), name="ttft"
+        )
+        wall_floor = floors.row(
+            timing.median,
+            bytes=answers / max_num_seqs * floors.weight_bytes(model),
+            flops=stats["prefill_tokens_computed"] * floors.forward_flops(model, 1, logits=0)
+            + answers * floors.forward_flops(model, 1),  # the LM head only where a token is sampled
+            name="wall",
+        )
+        rows.append({
+            "engine": name,
+            "hit_rate": stats["cached_tokens"] / stats["prompt_tokens"],
+            "prompt_tokens": stats["prompt_tokens"],
+            "prefill_tokens_computed": stats["prefill_tokens_computed"],
+            "median_ttft_ms": statistics.median(ttfts[name][1:]) * 1e3,  # the timed runs (the first was warm-up)
+            "wall_s": timing.median, **ttft_floor, **wall_floor,
+        })  # fmt: skip
+    return rows
+
+
 def main(quick: bool = False) -> bench.Result:
     pin_threads(1)  # one thread, as every stage's benchmark: a shared 2-core machine
     sessions, turns, system, question, answer, repeats = (4, 3, 192, 24, 8, 1) if quick else (8, 4, 256, 24, 16, 3)
@@ -81,43 +117,14 @@ def main(quick: bool = False) -> bench.Result:
         return stats, out
 
     t = bench.interleaved({name: lambda n=name: variant(n) for name in VARIANTS}, repeats, warmup=1)
-    reference = t["no cache"].last[1]
-    rows = []
-    for name, timing in t.items():
-        stats, out = timing.last
-        if out != reference:
-            raise AssertionError(f"{name}: the engine's greedy tokens differ from the engine without a cache")
-        # floors of the model work each figure contains (queueing and Python are above them): a TTFT, what a
-        # request whose prompt is all cached still does, one step reading the weights and the shortest prompt's
-        # K/V; the whole run, every computed prompt token and answer token through the matrices (attention to
-        # one key each, a lower bound) at the GEMM rate, or the weights read once per decode step of up to
-        # max_num_seqs answers, whichever is slower
-        answers = sessions * turns * answer
-        ttft_floor = floors.row(
-            statistics.median(ttfts[name][1:]), bytes=floors.decode_bytes(model, system + question), name="ttft"
-        )
-        wall_floor = floors.row(
-            timing.median,
-            bytes=answers / engine["max_num_seqs"] * floors.weight_bytes(model),
-            flops=stats["prefill_tokens_computed"] * floors.forward_flops(model, 1, logits=0)
-            + answers * floors.forward_flops(model, 1),  # the LM head only where a token is sampled
-            name="wall",
-        )
-        rows.append({
-            "engine": name,
-            "hit_rate": stats["cached_tokens"] / stats["prompt_tokens"],
-            "prompt_tokens": stats["prompt_tokens"],
-            "prefill_tokens_computed": stats["prefill_tokens_computed"],
-            "median_ttft_ms": statistics.median(ttfts[name][1:]) * 1e3,  # the timed runs (the first was warm-up)
-            "wall_s": timing.median, **ttft_floor, **wall_floor,
-        })  # fmt: skip
+    rows = cache_rows(model, t, ttfts, sessions * turns * answer, system + question, engine["max_num_seqs"])
     by = {r["engine"]: r for r in rows}
     radix, hashed, none = by["radix, page 1"], by["hash chain, block 16"], by["no cache"]
     title = (
         f"stage 07b: prefix caches in one replica, {which}, {sessions} chat sessions x {turns} turns, {system}-token "
         f"system prompt, {question}-token questions, {answer}-token answers, impl={current()}, median of {repeats}"
     )
-    print(bench.table(rows, title=title))
+    bench.show(rows, title)
     figures = {
         "model": which, "sessions": sessions, "turns": turns, "system_tokens": system, "question_tokens": question,
         "answer_tokens": answer, "repeats": repeats, "engine": engine,
@@ -126,13 +133,7 @@ def main(quick: bool = False) -> bench.Result:
         "ttft_none_over_radix": none["median_ttft_ms"] / radix["median_ttft_ms"],
         "ttft_hash16_over_radix1": hashed["median_ttft_ms"] / radix["median_ttft_ms"],
     }  # fmt: skip
-    for key in (
-        "prefill_none_over_radix",
-        "prefill_hash16_over_radix1",
-        "ttft_none_over_radix",
-        "ttft_hash16_over_radix1",
-    ):
-        print(f"{key}: {figures[key]:.2f}")
+    bench.show_figures(figures, [k for k in figures if k.startswith(("prefill_", "ttft_"))])
     return bench.Result(rows, figures, plot_caches(rows))
 
 

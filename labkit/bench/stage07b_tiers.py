@@ -25,7 +25,7 @@ from labkit.bench import floors
 from labkit.checkpoint import model_folder
 from labkit.device import pin_threads
 from labkit.distributed import launch
-from labkit.impl import current, load
+from labkit.impl import current
 from labkit.quality import heldout
 
 
@@ -66,22 +66,11 @@ def serve(engine, eng, requests, answer):
     return ttft, out
 
 
-def main(quick: bool = False) -> bench.Result:
-    pin_threads(1)
-    eng, kv, tiers = (
-        load(f"stage07_tensor_parallel.fleet.{m}") for m in ("replica_engine", "kv_connector", "kv_tiers")
-    )
-    model, which = bench.model()
-    lengths, transfer_repeats = ([64, 512], 3) if quick else ([64, 256, 512, 960], 7)
-    sessions, document, question, rounds, answer = (4, 192, 16, 2, 4) if quick else (8, 256, 16, 3, 4)
-    pools = [512, 4096] if quick else [512, 1024, 2048, 4096]
-    rows = transfer(model_folder(), model.config, lengths, transfer_repeats, kv)
-
-    tokens = heldout(bench.tokenizer(), n_tokens=8192, seq=512).flatten().tolist()
-    docs = [tokens[s * document : (s + 1) * document] for s in range(sessions)]
-    it = iter(tokens[sessions * document :])
-    requests = [docs[s] + [next(it) for _ in range(question)] for _ in range(rounds) for s in range(sessions)]
-    working_set, shortest = sessions * (document + question), min(map(len, requests))
+def tier_rows(eng, tiers, model, pools, requests, answer: int, working_set: int, shortest: int) -> list[dict]:
+    """Per pool size and tier setup (none, RAM, disk): the requests served one at a time by a ReplicaEngine,
+    its hit rate, tokens loaded from a tier, prompt tokens computed and median TTFT; every engine's greedy
+    tokens must equal the first's."""
+    rows = []
     reference = None
     for pool in pools:
         for variant in ("no tiers", "RAM tier", "disk tier"):
@@ -110,6 +99,24 @@ def main(quick: bool = False) -> bench.Result:
                 "prefill_tokens_computed": s["prefill_tokens_computed"],
                 "median_ttft_ms": statistics.median(ttft) * 1e3, **ttft_floor,
             })  # fmt: skip
+    return rows
+
+
+def main(quick: bool = False) -> bench.Result:
+    pin_threads(1)
+    eng, kv, tiers = bench.stages("stage07_tensor_parallel.fleet", "replica_engine", "kv_connector", "kv_tiers")
+    model, which = bench.model()
+    lengths, transfer_repeats = ([64, 512], 3) if quick else ([64, 256, 512, 960], 7)
+    sessions, document, question, rounds, answer = (4, 192, 16, 2, 4) if quick else (8, 256, 16, 3, 4)
+    pools = [512, 4096] if quick else [512, 1024, 2048, 4096]
+    rows = transfer(model_folder(), model.config, lengths, transfer_repeats, kv)
+
+    tokens = heldout(bench.tokenizer(), n_tokens=8192, seq=512).flatten().tolist()
+    docs = [tokens[s * document : (s + 1) * document] for s in range(sessions)]
+    it = iter(tokens[sessions * document :])
+    requests = [docs[s] + [next(it) for _ in range(question)] for _ in range(rounds) for s in range(sessions)]
+    working_set, shortest = sessions * (document + question), min(map(len, requests))
+    rows += tier_rows(eng, tiers, model, pools, requests, answer, working_set, shortest)
     title = (
         f"stage 07b: moving KV, {which}, impl={current()}; (a) P/D over gloo on loopback, median of {transfer_repeats}; "
         f"(b) {sessions} sessions x {rounds} rounds, {document}-token documents, {question}-token questions, one at a time"
@@ -125,9 +132,7 @@ def main(quick: bool = False) -> bench.Result:
         "ttft_disk_over_none_small_pool": t[(small, "disk tier")]["median_ttft_ms"] / t[(small, "no tiers")]["median_ttft_ms"],
         "ttft_ram_over_none_big_pool": t[(big, "RAM tier")]["median_ttft_ms"] / t[(big, "no tiers")]["median_ttft_ms"],
     }  # fmt: skip
-    for key, value in figures.items():
-        if key.startswith("ttft"):
-            print(f"{key}: {value:.2f}")
+    bench.show_figures(figures, [k for k in figures if k.startswith("ttft")])
     return bench.Result(rows, figures, plot_tiers(rows, pools))
 
 
