@@ -87,7 +87,7 @@ def profile_step(step) -> list[dict]:
             nbytes = 2 * c.num_key_value_heads * (CONTEXT + 1) * c.head_dim * 4
         else:
             (_, n_in), w = e.input_shapes[0], e.input_shapes[1]
-            n_out = w[0] * (w[2] if len(w) == 4 else 1)  # float32 comes packed: (out / 4, in / 8, 4, 8)
+            n_out = w[0] * (w[2] if len(w) == 3 else 1)  # float32 comes packed: (out / 16, in, 16)
             kind = "LM head" if n_out == c.vocab_size else f"({n_out}, {n_in}) matrices"
             nbytes = int(n_out * n_in * per_weight[decoder.weights])
         row = rows.setdefault(kind, {"op": kind, "calls": 0, "us": 0.0, "bytes": 0})

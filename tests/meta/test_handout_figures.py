@@ -951,7 +951,8 @@ def test_stage02_lab_quotes_the_cache_and_decode_benchmarks():
     torch_ops, cpp_ops = ops["StaticDecoder, compiled, torch fp32"], ops["StaticDecoder, compiled, cpp fp32"]
     assert round(torch_ops, -1) == int(m[1]), f"decode.json: the JSON says {torch_ops} ops, the handout about {m[1]}"
     check(m.groups()[1:], [cpp_ops], "decode.json cpp aten ops")
-    rows = {r["variant"]: r for r in decode_real["rows"] if r["what"] == "decode" and r["threads"] == 1}
+    rows = {r["variant"]: r for r in decode_real["rows"]
+            if r["what"] == "decode" and r["threads"] == 1 and r["context"] == decode_real["context"]}  # fmt: skip
     m = quoted(text, r"the fp32 step's\s+([\d,]+) \(`decode_real.json`\)")
     check(m.groups(), [rows["StaticDecoder, compiled, torch fp32"]["aten ops"]], "decode_real.json torch fp32 aten ops")
     prof = decode_real["profile_1_thread"]
@@ -962,7 +963,7 @@ def test_stage02_lab_quotes_the_cache_and_decode_benchmarks():
 
     m = quoted(
         text,
-        r"Together: (\d+)–(\d+) GB/s, the step (\d+\.\d+) ms against llama.cpp F32's (\d+\.\d+) \(`decode_real.json`\)",
+        r"Together: (\d+)–(\d+) GB/s, the step (\d+\.\d+) ms against llama.cpp F32's (\d+\.\d+) at context 128 \(`decode_real.json`\)",
     )
     want = rates("fp32") + [rows["StaticDecoder, compiled, cpp fp32"]["ms"], rows["llama.cpp F32"]["ms"]]
     check(m.groups(), want, "decode_real.json fp32 step and weight rates")
