@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from labkit import ROOT
-from labkit.grading import grade, sandbox, todo, worker
+from labkit.grading import grade, progress, sandbox, todo, worker
 
 SKELETON = """
 def sub(a: int, b: int) -> int:
@@ -486,11 +486,11 @@ def test_the_make_targets_of_the_optional_packages_are_named():
 def test_waiting_on_a_todo_of_another_notebook_names_that_notebook():
     """lab4's TODO waiting on lab.ipynb §5's warp reads "lab.ipynb §5 warp", not "§5 warp" (lab4's own §5?)."""
     case = {"todo": "stage06: warp — see lab.ipynb §5", "outcome": "failed"}
-    assert grade.waiting_label(case, 4) == "lab.ipynb §5 warp"
-    assert grade.waiting_label(case, 1) == grade.waiting_label(case) == "§5 warp"
+    assert progress.waiting_label(case, 4) == "lab.ipynb §5 warp"
+    assert progress.waiting_label(case, 1) == progress.waiting_label(case) == "§5 warp"
     other = {"todo": "stage06: verify_batch — see lab2.ipynb §2", "outcome": "failed"}
-    assert grade.waiting_label(other, 4) == "lab2.ipynb §2 verify_batch"
-    assert grade.waiting_label(other, 2) == "lab2 §2 verify_batch"
+    assert progress.waiting_label(other, 4) == "lab2.ipynb §2 verify_batch"
+    assert progress.waiting_label(other, 2) == "lab2 §2 verify_batch"
 
 
 def test_a_skip_raised_by_the_learners_code_still_fails(course):
@@ -651,7 +651,7 @@ def test_a_failure_raised_by_another_todo_waits_on_it_apart_from_the_learners_ow
     sub = next(t for t in row["todos"] if t["name"] == "sub")
     assert (sub["state"], sub["failed"], sub["waiting"], sub["waiting_on"]) == ("fails", 1, 1, "§1 add"), sub
     assert sub["test"] == "test_sub_is_exact", "the learner's own failure is the one shown"
-    assert "1 waiting on §1 add" in grade._todo_line(sub)
+    assert "1 waiting on §1 add" in progress.todo_line(sub)
 
     write_learner(
         course, SKELETON.replace('raise NotImplementedError("stage01: sub — see lab.ipynb §2")', "return a - b")
@@ -659,7 +659,7 @@ def test_a_failure_raised_by_another_todo_waits_on_it_apart_from_the_learners_ow
     (row,) = rows(course)
     sub = next(t for t in row["todos"] if t["name"] == "sub")
     assert (sub["state"], sub["failed"], sub["waiting"]) == ("waiting", 0, 1), sub
-    assert "waiting on §1 add" in grade._todo_line(sub) and "✗" not in grade._todo_line(sub)
+    assert "waiting on §1 add" in progress.todo_line(sub) and "✗" not in progress.todo_line(sub)
     assert "stage01: add — see lab.ipynb §1" in row["hint"], "the hint is still the untouched TODO"
 
     env = os.environ | {"PYTHONPATH": str(course)}

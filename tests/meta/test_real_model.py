@@ -156,7 +156,7 @@ def test_missing_real_model_says_run_make_setup(tmp_path, monkeypatch):
 
 
 def test_grader_hands_the_real_model_folder_to_a_submission(tmp_path):
-    from labkit.grading.grade import submission_env
+    from labkit.grading.submission import submission_env
 
     assert submission_env(tmp_path)[REAL_MODEL_ENV] == str(real_model_folder())
 
