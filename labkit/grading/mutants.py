@@ -290,7 +290,7 @@ class Workspace:
         return "error", seconds, f"pytest exit {rc}: " + " | ".join(log.read_text().strip().splitlines()[-3:])[-300:]
 
 
-def main(argv=None) -> int:
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", action="append", help="row (repeatable), e.g. 04 or 04b; default: every row")
     ap.add_argument("--sample", type=int, default=0, help="a fixed, seeded sample of K mutants per stage")
@@ -300,23 +300,11 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="comma-separated mutant names (e.g. 02-20,02-25) to run alone")
     ap.add_argument("--check", action="store_true", help="only validate the catalogue")
     ap.add_argument("--include-equivalent", action="store_true", help="run the documented equivalents too")
-    args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the cleanup below on a plain kill too
-    stages = [s.zfill(2) if s.isdigit() else s for s in args.stage] if args.stage else list(ROWS)
+    return ap.parse_args(argv)
 
-    catalogue, problems = {}, []
-    for s in stages:
-        if s not in STAGES:
-            raise SystemExit(f"unknown stage {s!r}; stages are {', '.join(STAGES)}")
-        catalogue[s] = load(s)
-        problems += validate(s, catalogue[s])
-    if problems:
-        print("the mutant catalogue is not valid:\n  " + "\n  ".join(problems))
-        return 1
-    print(f"catalogue valid: {sum(len(v) for v in catalogue.values())} mutants in {len(stages)} stages")
-    if args.check:
-        return 0
 
+def selected(stages: list[str], catalogue: dict[str, list[Mutant]], args) -> list[Mutant]:
+    """The mutants to run: the documented equivalents left out unless asked for, then --only, then --sample."""
     todo: list[Mutant] = []
     for s in stages:
         ms = [m for m in catalogue[s] if args.include_equivalent or not m.equivalent]
@@ -325,12 +313,16 @@ def main(argv=None) -> int:
         if args.sample:
             ms = sorted(random.Random(f"mutants-{s}").sample(ms, min(args.sample, len(ms))), key=lambda m: m.index)
         todo += ms
+    return todo
 
-    t0 = time.perf_counter()
+
+def run_all(todo: list[Mutant], jobs: int, timeout: float) -> tuple[dict[str, tuple[str, float, str]], int]:
+    """Each mutant planted and tested in one of `jobs` workspaces: name -> (outcome, seconds, detail), printed
+    as it comes; and how many workspaces ran."""
     results: dict[str, tuple[str, float, str]] = {}
     lock = threading.Lock()
     with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
-        n_spaces = max(1, min(args.jobs, len(todo)))
+        n_spaces = max(1, min(jobs, len(todo)))
         with ThreadPoolExecutor(n_spaces) as pool:  # the servers' imports take a while: start them together
             pool_spaces = list(pool.map(Workspace, [Path(tmp) / f"w{i}" for i in range(n_spaces)]))
         free = list(pool_spaces)
@@ -339,7 +331,7 @@ def main(argv=None) -> int:
             with lock:
                 ws = free.pop()
             try:
-                res = ws.run(m, args.timeout)
+                res = ws.run(m, timeout)
             finally:
                 with lock:
                     free.append(ws)
@@ -358,7 +350,11 @@ def main(argv=None) -> int:
             for ws in pool_spaces:
                 ws.close()
             pool.shutdown(cancel_futures=True)
+    return results, len(pool_spaces)
 
+
+def report(stages, catalogue, todo, results, min_rate: float) -> bool:
+    """Print each stage's kill rate and the survivors; True if a stage caught less than min_rate or errored."""
     print("\n" + "=" * 72)
     print(f"{'stage':<6} {'caught':>7} {'planted':>8} {'rate':>7} {'equivalent':>11}")
     bad = False
@@ -367,7 +363,7 @@ def main(argv=None) -> int:
         caught = sum(results[m.name][0] in ("caught", "timeout") for m in ran)
         errors = [m for m in ran if results[m.name][0] == "error"]
         rate = 100.0 * caught / len(ran) if ran else 100.0
-        bad |= rate < args.min_rate or bool(errors)
+        bad |= rate < min_rate or bool(errors)
         n_eq = sum(bool(m.equivalent) for m in catalogue[s])
         print(f"{s:<6} {caught:>7} {len(ran):>8} {rate:>6.1f}% {n_eq:>11}")
     survivors = [m for m in todo if results[m.name][0] in ("survived", "error")]
@@ -375,7 +371,32 @@ def main(argv=None) -> int:
         print("\nsurvivors (no graded test failed):")
         for m in survivors:
             print(f"  {m.name} {results[m.name][0]} {m.file}: {m.bug}")
-    print(f"wall time {time.perf_counter() - t0:.0f} s, {len(pool_spaces)} jobs")
+    return bad
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # run the cleanup below on a plain kill too
+    stages = [s.zfill(2) if s.isdigit() else s for s in args.stage] if args.stage else list(ROWS)
+
+    catalogue, problems = {}, []
+    for s in stages:
+        if s not in STAGES:
+            raise SystemExit(f"unknown stage {s!r}; stages are {', '.join(STAGES)}")
+        catalogue[s] = load(s)
+        problems += validate(s, catalogue[s])
+    if problems:
+        print("the mutant catalogue is not valid:\n  " + "\n  ".join(problems))
+        return 1
+    print(f"catalogue valid: {sum(len(v) for v in catalogue.values())} mutants in {len(stages)} stages")
+    if args.check:
+        return 0
+
+    todo = selected(stages, catalogue, args)
+    t0 = time.perf_counter()
+    results, n_spaces = run_all(todo, args.jobs, args.timeout)
+    bad = report(stages, catalogue, todo, results, args.min_rate)
+    print(f"wall time {time.perf_counter() - t0:.0f} s, {n_spaces} jobs")
     return 1 if bad else 0
 
 

@@ -81,6 +81,135 @@ class SimResult:
         return max(t[-1] for t in self.token_times) - min(self.sent)
 
 
+class _Simulation:
+    """One replay in flight: the replicas, the router's view of those it places requests on, and the events
+    pending (steps in flight, KV in transit), each handled as the engine and the router would."""
+
+    def __init__(self, trace, policy, step_cost, roles, page_size, max_num_seqs, max_num_batched_tokens,
+                 cache_tokens, vocab_size, transfer):  # fmt: skip
+        self.policy, self.step_cost, self.transfer = policy, step_cost, transfer
+        self.page_size, self.vocab_size = page_size, vocab_size
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.reps = [_Replica(cache_tokens // page_size, role) for role in roles]
+        self.front = [k for k, role in enumerate(roles) if role != "decode"]  # the replicas the policy routes to
+        self.workers = [WorkerState(f"replica-{k}") for k in self.front]
+        self.routed: dict[int, RoutedRequest] = {}
+        n = len(trace)
+        self.result = SimResult(
+            [r.timestamp for r in trace], [[] for _ in trace], [-1] * n, [0] * n, [], [-1] * n, [0.0] * n
+        )
+        self.steps: list[tuple[float, int]] = []  # heap of (end time, replica) of the steps in flight
+        self.arriving: list[tuple[float, int, int]] = []  # heap of (arrival time, trace index, decode replica)
+        self.in_transit: dict[int, _Seq] = {}
+
+    def admit(self, rep: _Replica) -> None:
+        """Admission, as the engine's _admit: waiting requests join the running ones up to max_num_seqs, each
+        with the pages of its prompt the replica's cache holds."""
+        while rep.waiting and len(rep.running) < self.max_num_seqs:
+            seq = rep.waiting.popleft()
+            rep.running.append(seq)
+            if rep.role == "decode":  # its prompt's KV arrived whole
+                continue
+            usable = (seq.prompt - 1) // self.page_size  # the last prompt token is always computed
+            hit = 0
+            while hit < usable and seq.hash_ids[hit] in rep.cache:
+                rep.cache.move_to_end(seq.hash_ids[hit])
+                hit += 1
+            seq.cached = seq.computed = hit * self.page_size
+            self.result.cached_tokens[seq.index] = seq.cached
+            rep.cached_tokens += seq.cached
+
+    def start_step(self, k: int, now: float) -> None:
+        rep = self.reps[k]
+        self.admit(rep)
+        budget, rep.batch = self.max_num_batched_tokens, []
+        for seq in rep.running:  # each running request's next chunk within the budget, as _schedule
+            want = seq.prompt - seq.computed if seq.computed < seq.prompt else 1
+            chunk = min(want, budget)
+            if chunk:
+                rep.batch.append((seq, chunk))
+                budget -= chunk
+        if rep.batch:
+            cost = self.step_cost.ragged([(c, s.computed + c) for s, c in rep.batch])
+            rep.busy_s += cost
+            heapq.heappush(self.steps, (now + cost, k))
+
+    def finish_step(self, k: int, now: float) -> None:
+        rep = self.reps[k]
+        for seq, chunk in rep.batch:
+            prefilling = seq.computed < seq.prompt
+            if prefilling:
+                rep.prefill_tokens += chunk
+            seq.computed += chunk
+            if seq.computed < seq.prompt:
+                continue  # more prompt to come
+            if prefilling:  # the prompt's full pages are cached as its prefill ends, as the engine does
+                for h in seq.hash_ids[: seq.prompt // self.page_size]:
+                    rep.cache[h] = None
+                    rep.cache.move_to_end(h)
+                while len(rep.cache) > rep.cache_pages:
+                    rep.cache.popitem(last=False)
+            self.result.token_times[seq.index].append(now)
+            seq.generated += 1
+            done, handoff = seq.generated == seq.output, rep.role == "prefill"
+            if not (done or handoff):
+                continue
+            rep.running.remove(seq)
+            rep.assigned -= 1
+            if rep.role != "decode":  # the request leaves the replicas the router places: its counters drop
+                request, worker = self.routed.pop(seq.index), self.workers[self.front.index(k)]
+                worker.outstanding -= 1
+                worker.active_tokens -= len(request.token_ids) + request.max_tokens
+                self.policy.on_finish(request, worker)
+            if handoff and not done:
+                self.send(seq, now)
+        rep.batch = []
+        self.start_step(k, now)
+
+    def send(self, seq: _Seq, now: float) -> None:
+        """Ship a prefilled request's KV to the decode replica with the fewest requests."""
+        reps, result = self.reps, self.result
+        d = min((k for k, rep in enumerate(reps) if rep.role == "decode"), key=lambda k: (reps[k].assigned, k))
+        reps[d].assigned += 1
+        result.decoder[seq.index], result.transfer_s[seq.index] = d, self.transfer(seq.prompt)
+        self.in_transit[seq.index] = seq
+        heapq.heappush(self.arriving, (now + result.transfer_s[seq.index], seq.index, d))
+
+    def advance(self, until: float) -> None:
+        """Run every step end and KV arrival up to `until`, earliest first."""
+        steps, arriving = self.steps, self.arriving
+        while steps or arriving:
+            t_step = steps[0][0] if steps else math.inf
+            t_kv = arriving[0][0] if arriving else math.inf
+            if min(t_step, t_kv) > until:
+                return
+            if t_step <= t_kv:
+                end, k = heapq.heappop(steps)
+                self.finish_step(k, end)
+            else:
+                t, i, d = heapq.heappop(arriving)
+                self.reps[d].waiting.append(self.in_transit.pop(i))
+                if not self.reps[d].batch:
+                    self.start_step(d, t)
+
+    def arrive(self, i: int, r: TraceRequest) -> None:
+        """Trace request i arrives: the policy places it, with the counters the router keeps."""
+        tokens = prompt_tokens(r, self.page_size, self.vocab_size)
+        session = None if r.session_id is None else str(r.session_id)
+        request = RoutedRequest(str(i), tokens, session, r.output_length, page_hashes(tokens, self.page_size))
+        workers = self.workers
+        w = self.policy.choose(request, workers)
+        self.policy.on_dispatch(request, workers[w])
+        workers[w].outstanding += 1
+        workers[w].active_tokens += len(tokens) + r.output_length
+        k = self.front[w]
+        self.routed[i], self.result.replica[i] = request, k
+        self.reps[k].assigned += 1
+        self.reps[k].waiting.append(_Seq(i, r.input_length, r.output_length, r.hash_ids))
+        if not self.reps[k].batch:  # an idle replica starts at once
+            self.start_step(k, r.timestamp)
+
+
 def simulate(
     trace: list[TraceRequest],
     policy: Policy,
@@ -110,118 +239,16 @@ def simulate(
         if prefill_replicas
         else ["both"] * replicas
     )
-    reps = [_Replica(cache_tokens // page_size, role) for role in roles]
-    front = [k for k, role in enumerate(roles) if role != "decode"]  # the replicas the policy routes to
-    workers = [WorkerState(f"replica-{k}") for k in front]
-    routed: dict[int, RoutedRequest] = {}
-    n = len(trace)
-    result = SimResult([r.timestamp for r in trace], [[] for _ in trace], [-1] * n, [0] * n, [], [-1] * n, [0.0] * n)
-    steps: list[tuple[float, int]] = []  # heap of (end time, replica) of the steps in flight
-    arriving: list[tuple[float, int, int]] = []  # heap of (arrival time, trace index, decode replica) of KV in transit
-    in_transit: dict[int, _Seq] = {}
-
-    def start_step(k: int, now: float) -> None:
-        rep = reps[k]
-        while rep.waiting and len(rep.running) < max_num_seqs:  # admission, as the engine's _admit
-            seq = rep.waiting.popleft()
-            rep.running.append(seq)
-            if rep.role == "decode":  # its prompt's KV arrived whole
-                continue
-            usable = (seq.prompt - 1) // page_size  # the last prompt token is always computed
-            hit = 0
-            while hit < usable and seq.hash_ids[hit] in rep.cache:
-                rep.cache.move_to_end(seq.hash_ids[hit])
-                hit += 1
-            seq.cached = seq.computed = hit * page_size
-            result.cached_tokens[seq.index] = seq.cached
-            rep.cached_tokens += seq.cached
-        budget, rep.batch = max_num_batched_tokens, []
-        for seq in rep.running:  # each running request's next chunk within the budget, as _schedule
-            want = seq.prompt - seq.computed if seq.computed < seq.prompt else 1
-            chunk = min(want, budget)
-            if chunk:
-                rep.batch.append((seq, chunk))
-                budget -= chunk
-        if rep.batch:
-            cost = step_cost.ragged([(c, s.computed + c) for s, c in rep.batch])
-            rep.busy_s += cost
-            heapq.heappush(steps, (now + cost, k))
-
-    def finish_step(k: int, now: float) -> None:
-        rep = reps[k]
-        for seq, chunk in rep.batch:
-            prefilling = seq.computed < seq.prompt
-            if prefilling:
-                rep.prefill_tokens += chunk
-            seq.computed += chunk
-            if seq.computed < seq.prompt:
-                continue  # more prompt to come
-            if prefilling:  # the prompt's full pages are cached as its prefill ends, as the engine does
-                for h in seq.hash_ids[: seq.prompt // page_size]:
-                    rep.cache[h] = None
-                    rep.cache.move_to_end(h)
-                while len(rep.cache) > rep.cache_pages:
-                    rep.cache.popitem(last=False)
-            result.token_times[seq.index].append(now)
-            seq.generated += 1
-            done, handoff = seq.generated == seq.output, rep.role == "prefill"
-            if not (done or handoff):
-                continue
-            rep.running.remove(seq)
-            rep.assigned -= 1
-            if rep.role != "decode":  # the request leaves the replicas the router places: its counters drop
-                request, worker = routed.pop(seq.index), workers[front.index(k)]
-                worker.outstanding -= 1
-                worker.active_tokens -= len(request.token_ids) + request.max_tokens
-                policy.on_finish(request, worker)
-            if handoff and not done:
-                send(seq, now)
-        rep.batch = []
-        start_step(k, now)
-
-    def send(seq: _Seq, now: float) -> None:
-        """Ship a prefilled request's KV to the decode replica with the fewest requests."""
-        d = min((k for k, rep in enumerate(reps) if rep.role == "decode"), key=lambda k: (reps[k].assigned, k))
-        reps[d].assigned += 1
-        result.decoder[seq.index], result.transfer_s[seq.index] = d, transfer(seq.prompt)
-        in_transit[seq.index] = seq
-        heapq.heappush(arriving, (now + result.transfer_s[seq.index], seq.index, d))
-
-    def advance(until: float) -> None:
-        """Run every step end and KV arrival up to `until`, earliest first."""
-        while steps or arriving:
-            t_step = steps[0][0] if steps else math.inf
-            t_kv = arriving[0][0] if arriving else math.inf
-            if min(t_step, t_kv) > until:
-                return
-            if t_step <= t_kv:
-                end, k = heapq.heappop(steps)
-                finish_step(k, end)
-            else:
-                t, i, d = heapq.heappop(arriving)
-                reps[d].waiting.append(in_transit.pop(i))
-                if not reps[d].batch:
-                    start_step(d, t)
-
+    sim = _Simulation(trace, policy, step_cost, roles, page_size, max_num_seqs, max_num_batched_tokens,
+                      cache_tokens, vocab_size, transfer)  # fmt: skip
     for i, r in enumerate(trace):
-        advance(r.timestamp)
-        tokens = prompt_tokens(r, page_size, vocab_size)
-        session = None if r.session_id is None else str(r.session_id)
-        request = RoutedRequest(str(i), tokens, session, r.output_length, page_hashes(tokens, page_size))
-        w = policy.choose(request, workers)
-        policy.on_dispatch(request, workers[w])
-        workers[w].outstanding += 1
-        workers[w].active_tokens += len(tokens) + r.output_length
-        k = front[w]
-        routed[i], result.replica[i] = request, k
-        reps[k].assigned += 1
-        reps[k].waiting.append(_Seq(i, r.input_length, r.output_length, r.hash_ids))
-        if not reps[k].batch:  # an idle replica starts at once
-            start_step(k, r.timestamp)
-    advance(math.inf)
+        sim.advance(r.timestamp)
+        sim.arrive(i, r)
+    sim.advance(math.inf)
+    result = sim.result
     result.replicas = [
         {"role": rep.role, "requests": result.replica.count(k) + result.decoder.count(k),
          "prefill_tokens": rep.prefill_tokens, "cached_tokens": rep.cached_tokens, "busy_s": rep.busy_s}
-        for k, rep in enumerate(reps)
+        for k, rep in enumerate(sim.reps)
     ]  # fmt: skip
     return result
