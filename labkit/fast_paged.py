@@ -34,7 +34,7 @@ from .model import Llama
 
 KERNELS = ("cpp", "torch")
 QUANTIZATIONS = ("q8_0", "q4_1")  # GGUF's names for the int8 and 4-bit blocks cpu_kernels reads
-CPP_MAX_ROWS = 16  # passes of more rows take PyTorch's GEMM (float32 only): the two cross near 24 rows here
+CPP_MAX_ROWS = 128  # passes of more rows take PyTorch's GEMM (float32 only): bench multirow has the kernel ahead up to 128
 _PACKED: dict[int, dict] = {}  # id(weight) -> {(quantization, its version): packed}, while the weight lives
 
 
@@ -54,7 +54,7 @@ class PackedLinear(nn.Linear):
             _PACKED[id(base.weight)] = {}
             weakref.finalize(base.weight, _PACKED.pop, id(base.weight), None)
         packs = _PACKED[id(base.weight)]
-        key = (quantization, base.weight._version)  # an in-place change of the weight packs it again
+        key = (quantization, _version(base.weight))  # an in-place change of the weight packs it again
         if key not in packs:
             for stale in [k for k in packs if k[1] != key[1]]:
                 del packs[stale]
@@ -81,6 +81,12 @@ class PackedLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, quantization={self.quantization or 'f32'}"
+
+
+def _version(weight: torch.Tensor) -> int:
+    """The weight's in-place write count; an inference tensor (a model loaded under torch.inference_mode) keeps
+    none, and is packed once."""
+    return 0 if weight.is_inference() else weight._version
 
 
 def fits(linear: nn.Linear, quantization: str | None) -> bool:
@@ -122,5 +128,5 @@ def accelerate(model: Llama, kernels: str = "cpp", quantization: str | None = No
     # every packed matrix in one buffer on 2 MB pages, once per packing: a third more bandwidth here
     fresh = [lay for lay in packed.values() if lay.packed[0].storage_offset() == 0]
     for layer, copies in zip(fresh, cpu_kernels.huge_pages([lay.packed for lay in fresh]), strict=True):
-        layer.packed = _PACKED[id(layer.weight)][(layer.quantization, layer.weight._version)] = copies
+        layer.packed = _PACKED[id(layer.weight)][(layer.quantization, _version(layer.weight))] = copies
     return fast

@@ -23,7 +23,8 @@ streaming read where it builds (on two threads torch's sums read slower than two
 JSONs written before 2026-12-06 lack it),
 GEMM rate as the fastest float32 matmul among GEMM_SHAPES (2 m k n FLOPs): squares and a 135M model's prefill
 shapes, since MKL runs some shapes faster than others and a floor is the best of them (a 1024-square alone read
-75 GFLOP/s here where 2048 reached 90, and a prefill then beat its floor); each the fastest of REPEATS calls
+75 GFLOP/s here where 2048 reached 90, and a prefill then beat its floor), and labkit.cpu_kernels' own loop
+on weights in L2 where it builds (its multiply-adds ran faster than MKL's); each the fastest of REPEATS calls
 (JSONs written before 2026-12-06 hold the median of 5 of a 1024 square, and one thread summing for the two-thread rate).
 """
 
@@ -50,13 +51,34 @@ def _rates(threads: int) -> tuple[float, float, dict]:
     read = src.numel() * 4 / measure(lambda: src.sum(), repeats=REPEATS).min
     ways = {"copy": copy, "sum": read, "a sum per thread": _parallel_read(src, threads), "kernel read": _kernel_read(src)}
     bandwidth = max(ways.values())  # a decode step only reads: here a read streams faster than a copy
-    flops = max(_gemm_rate(*shape) for shape in GEMM_SHAPES)
+    flops = max(*(_gemm_rate(*shape) for shape in GEMM_SHAPES), _kernel_fma_rate())
     return bandwidth, flops, {way: round(r / 1e9, 2) for way, r in ways.items() if r}
 
 
 def _gemm_rate(m: int, k: int, n: int) -> float:
     a, b = torch.randn(m, k), torch.randn(k, n)
     return 2 * m * k * n / measure(lambda: a @ b, repeats=REPEATS, warmup=2).min
+
+
+def _kernel_fma_rate() -> float:
+    """Float32 FLOPs per second of labkit.cpu_kernels' matrix loop on 6, 8 or 12 rows (its passes) against
+    weights that stay in L2, the fastest (0 where the kernels cannot be built): its multiply-adds run near
+    the FMA units' peak, at or above MKL's GEMM here, and a floor its own loop beats is no floor."""
+    from ..cpu_kernels import ops, pack_f32
+
+    kernels = ops()
+    if kernels is None:
+        return 0.0
+    w, calls, best = pack_f32(torch.randn(512, 576)), 100, 0.0
+    for rows in (6, 8, 12):
+        x = torch.randn(rows, 576)
+
+        def run() -> None:
+            for _ in range(calls):
+                kernels.f32_matvec(x, w)
+
+        best = max(best, 2 * 512 * 576 * rows * calls / measure(run, repeats=REPEATS, warmup=2).min)
+    return best
 
 
 def _kernel_read(src: torch.Tensor) -> float:
