@@ -60,8 +60,16 @@ def forward_work(fn, *modules) -> dict:
 def workload_floor(model, prompts, max_tokens, batch: int) -> dict:
     """The floor's arguments for serving a whole workload: every sequence's causal forward (its prompt and
     its outputs; the LM head only where a token is sampled, as an engine computes it) at the GEMM rate, or
-    the weights read once per decode step, `batch` outputs per step at best, whichever is slower."""
-    flops = sum(floors.forward_flops(model, len(p) + m, logits=m) for p, m in zip(prompts, max_tokens, strict=True))
+    the weights read once per decode step, `batch` outputs per step at best, whichever is slower. A prompt
+    prefix an earlier prompt already had is computed once at best (prefix caching): only the tokens past
+    it count, after it as context (without this, chats sharing a template beat their "floor")."""
+    seen, flops = set(), 0.0
+    for p, m in zip(prompts, max_tokens, strict=True):
+        cached = 0
+        while cached < len(p) and tuple(p[: cached + 1]) in seen:
+            cached += 1
+        seen.update(tuple(p[: i + 1]) for i in range(len(p)))
+        flops += floors.forward_flops(model, len(p) - cached + m, context=cached, logits=m)
     return {"flops": flops, "bytes": sum(max_tokens) / batch * floors.weight_bytes(model)}
 
 
