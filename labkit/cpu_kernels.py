@@ -66,7 +66,9 @@ def ops():
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]
     if torch.backends.cpu.get_cpu_capability() == "AVX512":
         flags.append("-mavx512f")  # f32_matvec takes up to twelve rows in one pass
-    load_inline("labkit_cpu", SOURCE.read_text(), extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
+    load_inline(
+        "labkit_cpu", SOURCE.read_text(), extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False
+    )
     for name in ("q8_0_matvec", "q4_1_matvec"):  # shapes only, for torch.compile's tracing
         torch.library.register_fake(f"labkit_cpu::{name}")(lambda x, w, *rest: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake("labkit_cpu::f32_matvec")(lambda x, w: x.new_empty(x.shape[0], w.shape[0] * MR))

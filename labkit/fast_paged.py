@@ -34,7 +34,7 @@ from .model import Llama
 
 KERNELS = ("cpp", "torch")
 QUANTIZATIONS = ("q8_0", "q4_1")  # GGUF's names for the int8 and 4-bit blocks cpu_kernels reads
-CPP_MAX_ROWS = 128  # passes of more rows take PyTorch's GEMM (float32 only): bench multirow has the kernel ahead up to 128
+CPP_MAX_ROWS = 128  # passes of more rows take PyTorch's GEMM (float32); bench multirow: the kernel ahead to 128
 _PACKED: dict[int, dict] = {}  # id(weight) -> {(quantization, its version): packed}, while the weight lives
 
 

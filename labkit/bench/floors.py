@@ -49,7 +49,12 @@ def _rates(threads: int) -> tuple[float, float, dict]:
     # work slows some calls (a median under load gave a floor that a quieter step then beat)
     copy = 2 * src.numel() * 4 / measure(lambda: dst.copy_(src), repeats=REPEATS).min
     read = src.numel() * 4 / measure(lambda: src.sum(), repeats=REPEATS).min
-    ways = {"copy": copy, "sum": read, "a sum per thread": _parallel_read(src, threads), "kernel read": _kernel_read(src)}
+    ways = {
+        "copy": copy,
+        "sum": read,
+        "a sum per thread": _parallel_read(src, threads),
+        "kernel read": _kernel_read(src),
+    }
     bandwidth = max(ways.values())  # a decode step only reads: here a read streams faster than a copy
     flops = max(*(_gemm_rate(*shape) for shape in GEMM_SHAPES), _kernel_fma_rate())
     return bandwidth, flops, {way: round(r / 1e9, 2) for way, r in ways.items() if r}
@@ -73,7 +78,7 @@ def _kernel_fma_rate() -> float:
     for rows in (6, 8, 12):
         x = torch.randn(rows, 576)
 
-        def run() -> None:
+        def run(x: torch.Tensor = x) -> None:
             for _ in range(calls):
                 kernels.f32_matvec(x, w)
 

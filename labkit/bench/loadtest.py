@@ -90,6 +90,11 @@ async def run(url: str, bodies: list[dict], concurrency: int, timeout: float = 6
         "concurrency": concurrency,
         "requests": len(results),
         "failed": len(results) - len(ok),
+        **(
+            {"error": f"HTTP status {sorted({r['status'] for r in results if r['status'] != 200})}"}
+            if len(ok) < len(results)
+            else {}
+        ),
         "tokens_per_s": sum(r["tokens"] for r in ok) / wall,
         "ttft_p50_ms": percentile(ttft, 50) * 1e3,
         "ttft_p90_ms": percentile(ttft, 90) * 1e3,

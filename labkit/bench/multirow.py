@@ -108,8 +108,11 @@ def _plot(rows: list[dict], figures: dict):
         ax.plot(*zip(*pts, strict=True), marker="o", color=f"C{i}", label=name)
     f32 = sorted((r["rows"], r["floor ms"]) for r in rows if r["variant"] == "cpp f32" and r["threads"] == 1)
     rates = figures["floors_1_threads"]
-    ax.plot(*zip(*f32, strict=True), "k--",
-            label=f"float32 roofline ({rates['floor_read_GBps']} GB/s, {rates['floor_gemm_GFLOPs']} GFLOP/s)")
+    ax.plot(
+        *zip(*f32, strict=True),
+        "k--",
+        label=f"float32 roofline ({rates['floor_read_GBps']} GB/s, {rates['floor_gemm_GFLOPs']} GFLOP/s)",
+    )
     ax.set(xlabel="rows B (chats in a decode step, or k + 1 verified tokens)", ylabel="ms, all matrices, 1 thread",
            title="SmolLM2-135M: B rows share one read of the weights", ylim=(0, None))  # fmt: skip
     ax.legend(fontsize=7)

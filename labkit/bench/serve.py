@@ -127,6 +127,7 @@ def serving(ggufs: dict[str, Path], repeats: int, max_tokens: int) -> tuple[list
                      "TTFT p50 ms": round(statistics.median(r.get("ttft_p50_ms", float("nan")) for r in results), 1),
                      "TPOT p50 ms": round(statistics.median(r.get("tpot_p50_ms", float("nan")) for r in results), 1),
                      "failed": sum(r["failed"] for r in runs_of_row), "repeats": len(results),
+                     "error": next((r["error"] for r in runs_of_row if r.get("error")), ""),  # why, if any failed
                      **{f"step {k}": v for k, v in floor.items()}})  # fmt: skip
     return rows, info
 
@@ -163,10 +164,11 @@ def step_breakdown(model, tok, chats: int, kernels: str, quantization: str, toke
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.requests.values()):
         engine.step()  # the prefills, untimed
     timers = Timers()
-    saved = {a: getattr(eng_mod, a) for a in ("paged_attention", "sample")}
+    saved, detokenize = {a: getattr(eng_mod, a) for a in ("paged_attention", "sample")}, seq_mod.Sequence.detokenize
     timers.wrap(eng_mod, "paged_attention", "attention")
     timers.wrap(eng_mod, "sample", "sampling")
-    for attr, name in (("_forward", "forward"), ("_schedule", "scheduling"), ("_detokenize", "detokenization")):
+    timers.wrap(seq_mod.Sequence, "detokenize", "detokenization")  # a method of each sequence (sequence.py)
+    for attr, name in (("_forward", "forward"), ("_schedule", "scheduling")):
         timers.wrap(engine, attr, name)
     steps, t0 = 0, time.perf_counter()
     try:
@@ -176,6 +178,7 @@ def step_breakdown(model, tok, chats: int, kernels: str, quantization: str, toke
     finally:
         for attr, fn in saved.items():
             setattr(eng_mod, attr, fn)
+        seq_mod.Sequence.detokenize = detokenize
     total = time.perf_counter() - t0
     ms = {k: round(v / steps * 1e3, 3) for k, v in timers.seconds.items()}
     outside = ms.get("scheduling", 0) + ms.get("sampling", 0) + ms.get("detokenization", 0)
