@@ -12,7 +12,7 @@ from labkit.testing import LLAMA_CONFIGS, random_labkit_llama, random_tokens, wi
 
 pytestmark = pytest.mark.skipif(not shutil.which("c++"), reason="labkit.cpu_kernels compiles C++: no c++ compiler")
 
-SHAPES = {  # every packed path: widths of 8 and 32, a vocabulary the f32 loop takes (of 4) and one it does not
+SHAPES = {  # every packed path: widths of 8 and 32, vocabularies of whole panels of 16 and of a padded one
     **{name: dict(config, vocab_size=96 + 4 * i) for i, (name, config) in enumerate(LLAMA_CONFIGS.items())},
     "gqa-odd-vocab": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=97),
     "qwen3-like": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128, qk_norm=True),
@@ -29,8 +29,9 @@ def ops():
 
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_fast_forward_equals_the_model_at_every_row_count(ops, name):
-    """The accelerated copy's logits at 1..9 rows (the matrix-vector loop) and 23 rows (past CPP_MAX_ROWS: the
-    GEMM) against the model's own forward; biases random so a dropped one shows; the model stays as it was."""
+    """The accelerated copy's logits at 1..9 and 23 rows (the kernel's passes of up to 6 or 12 rows, then
+    chunks) and past CPP_MAX_ROWS (the GEMM) against the model's own forward; biases random so a dropped one
+    shows; the model stays as it was."""
     seed = list(SHAPES).index(name)
     config = dict(SHAPES[name])
     qk_norm = config.pop("qk_norm", False)
@@ -40,7 +41,7 @@ def test_fast_forward_equals_the_model_at_every_row_count(ops, name):
     packed = [m for m in fast.modules() if isinstance(m, fast_paged.PackedLinear)]
     assert len(packed) >= 7 * model.config.num_hidden_layers, f"seed={seed} {name}: only {len(packed)} packed"
     assert not any(isinstance(m, fast_paged.PackedLinear) for m in model.modules()), "the model was changed"
-    for rows in [*range(1, 10), 23]:
+    for rows in [*range(1, 10), 23, fast_paged.CPP_MAX_ROWS + 3]:
         ids = random_tokens(seed + rows, rows, model.config.vocab_size, 1)
         with torch.no_grad():
             want, got = model(ids), fast(ids)
