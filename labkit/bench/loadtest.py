@@ -79,7 +79,9 @@ async def run(url: str, bodies: list[dict], concurrency: int, timeout: float = 6
         while todo:
             results.append(await _one(client, todo.pop(0)))
 
-    limits = httpx.Limits(max_connections=concurrency)
+    # a fresh connection per request: llama-server closes a streamed one as the client reuses it, and that
+    # client saw "Server disconnected" (both servers pay the same connect, ~0.1 ms)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=0)
     t0 = time.perf_counter()
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
