@@ -59,8 +59,9 @@ class PackedLinear(nn.Linear):
             for stale in [k for k in packs if k[1] != key[1]]:
                 del packs[stale]
             w = base.weight.detach()
-            padded = F.pad(w, (0, 0, 0, -w.shape[0] % cpu_kernels.MR))  # zero rows to whole panels of 16
-            packs[key] = {None: lambda: (cpu_kernels.pack_f32(padded),), "q8_0": lambda: cpu_kernels.quantize_q8_0(w),
+            pad = -w.shape[0] % cpu_kernels.MR  # zero rows to whole panels of 16
+            packs[key] = {None: lambda: (cpu_kernels.pack_f32(F.pad(w, (0, 0, 0, pad))),),
+                          "q8_0": lambda: cpu_kernels.quantize_q8_0(w),
                           "q4_1": lambda: cpu_kernels.quantize_q4_1(w)}[quantization]()  # fmt: skip
         self.packed = packs[key]
 
