@@ -1,4 +1,5 @@
-"""Matrix-vector kernels for a batch-1 decode step on an x86 CPU: float32, Q8_0 and Q4_1, in C++ with AVX2.
+"""Matrix kernels for a decode step of a few rows on an x86 CPU: float32, Q8_0 and Q4_1, in C++ with AVX2
+(and AVX-512 where the CPU has it); the C++ is cpu_kernels.cpp, beside this file.
 
 At batch 1 a decode step is one matrix-vector product per weight matrix, and its floor is the bytes of
 the matrix over the memory bandwidth: a kernel reaches it only if it reads each weight once, in memory
@@ -19,8 +20,9 @@ module writes it, as llama.cpp's CPU backend does (ggml's vec_dot_q8_0_q8_0 and 
   order read sixteen streams at ~18 GB/s on one core here; a panel on 2 MB pages streams at the
   bandwidth), and each weight vector loaded is multiplied by every row of x in the batch (decodes, a
   verification's k + 1 tokens, a short chunk), broadcast: B rows read the weights once, and cost
-  multiply-adds, not bytes, until the FMA units saturate. Each output is one running sum over the inputs
-  in order, so a row's result is bitwise the same in any batch and on any number of threads;
+  multiply-adds, not bytes, until the FMA units saturate (up to 6 rows a pass with AVX2's 16 registers,
+  12 with AVX-512's). Each output is one running sum over the inputs in order, so a row's result is
+  bitwise the same in any batch and on any number of threads;
 - Q8_0 and Q4_1 one row per pass, its blocks on four accumulators (with one, each block's multiply-add
   waited on the last), their block scales converted as they stream in (four rows a pass measured slower
   for both: 2.2x on the LM head for Q8_0, 1.4x over SmolLM2's matrices for Q4_1);
