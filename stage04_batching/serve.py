@@ -12,6 +12,7 @@ import argparse
 import os
 from pathlib import Path
 
+import torch
 import uvicorn
 
 from labkit import LORA, TARGET
@@ -64,8 +65,18 @@ def main(argv=None) -> None:
         help="what computes guided_regex / response_format masks: your token index (course), or the optional "
         "llguidance or XGrammar (`make guided`), as vLLM's flag of that name",
     )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for the engine's step (default: $OMP_NUM_THREADS if set, else one core fewer than the "
+        "machine has, at least 1: the event loop and the clients need a core, and on two cores a second torch "
+        "thread made a served token slower, not faster)",
+    )
     EngineConfig.add_cli_args(ap)
     args = ap.parse_args(argv)
+    if args.threads or "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
     if args.lora_modules and args.batch_invariant:
         ap.error("--batch-invariant does not cover LoRA adapters (batch_invariant.py tiles the base model's matmuls)")
     tokenizer = load_tokenizer(args.model)

@@ -1,4 +1,4 @@
-"""`make serve` beside llama.cpp's own server, on SmolLM2-135M-Instruct, 2 threads each.
+"""`make serve` beside llama.cpp's own server, on SmolLM2-135M-Instruct, each at its default threads.
 
     make bench STAGE=serve [QUICK=1]     (builds llama-server once: make llama-server)
 
@@ -6,7 +6,10 @@ A. Serving: the course's server (stage 04's engine, its linear layers through la
    --quantization q8_0) and llama-server (native build, -np 8 -t 2 -fa on) on the same weights (GGUF F32 and
    Q8_0, from the GGUF the course's model is converted from) each serve the same chats through the same
    OpenAI-compatible load generator (labkit.bench.loadtest: streamed /v1/completions, greedy, EOS ignored) at
-   1, 4 and 8 concurrent chats. Every server runs in its own process and all stay up for the whole run; the
+   1, 4 and 8 concurrent chats. Each runs at its defaults: make serve's engine on one core fewer than the
+   machine has (1 on two cores: the event loop and the clients need one), llama-server on THREADS (-t, its
+   default: the physical cores); one more row is make serve --threads THREADS, to show what the spare core
+   buys. Every server runs in its own process and all stay up for the whole run; the
    variants take turns within each repeat so the shared machine's load falls on all alike; medians of repeats.
    Each row's floor: the weights' bytes (at the row's precision) over the measured bandwidth per decode step,
    shared by the chats in a step.
@@ -39,7 +42,7 @@ from .stage04_real import QUESTIONS, chat
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_SERVER = ROOT / ".venv" / "llama-server" / "build" / "bin" / "llama-server"
-THREADS = int(os.environ.get("SERVE_THREADS", "2"))  # both servers' threads (the issue's 2); 1 on a loaded machine
+THREADS = int(os.environ.get("SERVE_THREADS", "2"))  # llama-server's threads (the issue's 2), the in-process step's
 BYTES_PER_WEIGHT = {"none": 4.0, "q8_0": 34 / 32}  # float32; Q8_0's 32 int8 codes and a float16 scale
 
 
@@ -65,11 +68,12 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 300
 
 def start_servers(tmp: Path, ggufs: dict[str, Path]) -> dict[str, tuple[str, subprocess.Popen, Path]]:
     """{name: (url, process, log)}: the course's server per quantization, llama-server per GGUF type."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # each server at its own default
     folder = require_real_model()
     module = ("solutions." if os.environ.get("LABS_IMPL") == "solution" else "") + "stage04_batching.serve"
-    cmds = {f"make serve ({q})": [sys.executable, "-m", module, "--model", str(folder), "--quantization", q]
-            for q in ("none", "q8_0")}  # fmt: skip
+    serve = [sys.executable, "-m", module, "--model", str(folder)]
+    cmds = {f"make serve ({q})": [*serve, "--quantization", q] for q in ("none", "q8_0")}
+    cmds[f"make serve (none, --threads {THREADS})"] = [*serve, "--threads", str(THREADS)]
     for mix, path in ggufs.items():
         cmds[f"llama-server {mix}"] = [str(LLAMA_SERVER), "-m", str(path), "-np", "8", "-t", str(THREADS),
                                        "-fa", "on", "-c", "8192", "--host", "127.0.0.1"]  # fmt: skip
@@ -234,6 +238,6 @@ def _plot(rows: list[dict]):
     for name in dict.fromkeys(r["server"] for r in rows):
         mine = [r for r in rows if r["server"] == name]
         ax.plot([r["chats"] for r in mine], [r["tokens/s"] for r in mine], marker="o", label=name)
-    ax.set(xlabel="concurrent chats", ylabel="generated tokens/s (all chats)", title="SmolLM2-135M, 2 threads")
+    ax.set(xlabel="concurrent chats", ylabel="generated tokens/s (all chats)", title="SmolLM2-135M, 2 cores")
     ax.legend()
     return fig
