@@ -97,7 +97,8 @@ def run_workload(impl, name: str, seed: int, invariant: bool, runs: int = 6, ker
 
 # The linear layers through labkit's kernels (the engine's default: their sums do not depend on the batch or the
 # threads, so 1 and 2 threads) and through PyTorch with your linear_padded (one thread: lab4 §1 measured its
-# BLAS classes there); the vocabulary of 101 and the odd widths keep linear_padded in the kernels' runs too.
+# BLAS classes there). On the kernels every float32 layer takes them (odd widths pad a panel), so the torch
+# runs are the ones that exercise linear_padded inside the engine; test_04b_invariant.py tests it alone.
 @pytest.mark.parametrize(
     "name,seed,kernels,threads",
     [("gqa2", 0, "cpp", 1), ("gqa2", 3, "cpp", 2), ("mqa-odd-mlp", 1, "torch", 1), ("mqa-odd-mlp", 4, "cpp", 2),
