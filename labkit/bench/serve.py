@@ -115,7 +115,9 @@ def serving(ggufs: dict[str, Path], repeats: int, max_tokens: int) -> tuple[list
                 proc.terminate()
                 proc.wait(30)
     info = {"llama_server_system_info": re.findall(r"system[_ ]info:.*", log, re.IGNORECASE)[:1],
-            "llama_server_build": re.findall(r"build: .*", log)[:1]}  # fmt: skip
+            "llama_server_build": re.findall(r"build: .*", log)[:1],
+            "commands": {name: " ".join(Path(a).name if a.startswith("/") else a for a in proc.args)
+                         for name, (_, proc, _) in servers.items()}}  # fmt: skip
     config = json.loads((require_real_model() / "config.json").read_text())
     from labkit.model import Config
 
