@@ -356,12 +356,94 @@ double stream_read(const at::Tensor& x) {
   return sum;
 }
 
+// ---- A decoder layer around its attention, for an engine's decode steps (fast_paged.FusedLayer) ----
+// Eager PyTorch spent ~11 ms of a 27 ms SmolLM2 step (one thread) on ~60 small ops a layer (norms, RoPE,
+// SwiGLU, residuals, the linear layers' reshapes) between the matrix loops; here a layer is two calls, with
+// the paged attention (the learner's) between them.
+
+// w: one packed matrix as fast_paged packs it: (pack_f32,), (codes, scales) or (packed, scales, mins)
+static at::Tensor linear_packed(const at::Tensor& x, at::TensorList w, int64_t out) {
+  at::Tensor y = w.size() == 1 ? f32_matvec(x, w[0]) : w.size() == 2 ? q8_0_matvec(x, w[0], w[1]) : q4_1_matvec(x, w[0], w[1], w[2]);
+  return y.size(1) == out ? y : y.narrow(1, 0, out);  // a float32 panel's padding rows dropped
+}
+
+// labkit.model.RMSNorm per row: float32 mean of squares, x * rsqrt(mean + eps) * weight
+static at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  auto xc = x.contiguous();
+  int64_t N = x.size(0), d = x.size(1);
+  auto y = at::empty_like(xc);
+  const float *xp = xc.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t i = 0; i < N; i++) {
+    const float* r = xp + i * d;
+    float ss = 0.f;
+    for (int64_t j = 0; j < d; j++) ss += r[j] * r[j];
+    float inv = 1.f / std::sqrt(ss / float(d) + float(eps));
+    for (int64_t j = 0; j < d; j++) yp[i * d + j] = wp[j] * (r[j] * inv);
+  }
+  return y;
+}
+
+// labkit.model.apply_rope on heads of D: dimension j rotates with j + D/2, cos and sin (N, D) one row a token
+static void rope(float* x, int64_t N, int64_t heads, int64_t D, int64_t stride, const float* cos, const float* sin) {
+  int64_t half = D / 2;
+  std::vector<float> tmp(D);
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t h = 0; h < heads; h++) {
+      float* v = x + i * stride + h * D;
+      const float *c = cos + i * D, *s = sin + i * D;
+      for (int64_t j = 0; j < half; j++) tmp[j] = v[j] * c[j] - v[j + half] * s[j];
+      for (int64_t j = half; j < D; j++) tmp[j] = v[j] * c[j] + v[j - half] * s[j];
+      std::copy(tmp.begin(), tmp.end(), v);
+    }
+}
+
+// Input norm, the fused q/k/v product, RoPE: x (N, hidden) -> q (N, H, D), k and v (N, KV, D)
+std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_qkv(const at::Tensor& x, const at::Tensor& norm, double eps,
+                                                         at::TensorList w_qkv, const at::Tensor& cos,
+                                                         const at::Tensor& sin, int64_t heads, int64_t kv_heads) {
+  int64_t N = x.size(0), D = cos.size(-1);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && cos.numel() == N * D && sin.numel() == N * D,
+              "x (N, hidden) float32, cos and sin one row of head_dim per token");
+  auto qkv = linear_packed(rms_norm(x, norm, eps), w_qkv, (heads + 2 * kv_heads) * D).contiguous();
+  auto c = cos.contiguous(), s = sin.contiguous();
+  float* p = qkv.data_ptr<float>();
+  int64_t stride = qkv.size(1);
+  rope(p, N, heads, D, stride, c.data_ptr<float>(), s.data_ptr<float>());
+  rope(p + heads * D, N, kv_heads, D, stride, c.data_ptr<float>(), s.data_ptr<float>());
+  auto q = qkv.narrow(1, 0, heads * D).reshape({N, heads, D}).contiguous();  // as three nn.Linear outputs
+  auto k = qkv.narrow(1, heads * D, kv_heads * D).reshape({N, kv_heads, D}).contiguous();
+  auto v = qkv.narrow(1, (heads + kv_heads) * D, kv_heads * D).reshape({N, kv_heads, D}).contiguous();
+  return {q, k, v};
+}
+
+// The rest of the layer after attention's output y (N, H * D): x + o_proj(y), then + down(silu(gate) * up)
+// of its post-attention norm -> (N, hidden)
+at::Tensor layer_out(const at::Tensor& x, const at::Tensor& y, at::TensorList w_o, const at::Tensor& norm, double eps,
+                     at::TensorList w_gate_up, at::TensorList w_down, int64_t intermediate) {
+  int64_t N = x.size(0), d = x.size(1);
+  auto h = (x + linear_packed(y.reshape({N, -1}), w_o, d)).contiguous();
+  auto gu = linear_packed(rms_norm(h, norm, eps), w_gate_up, 2 * intermediate).contiguous();
+  auto a = at::empty({N, intermediate}, x.options());
+  const float* g = gu.data_ptr<float>();
+  float* ap = a.data_ptr<float>();
+  for (int64_t i = 0; i < N; i++)
+    for (int64_t j = 0; j < intermediate; j++) {
+      float gate = g[i * 2 * intermediate + j];
+      ap[i * intermediate + j] = gate / (1.f + std::exp(-gate)) * g[i * 2 * intermediate + intermediate + j];
+    }
+  h.add_(linear_packed(a, w_down, d));
+  return h;
+}
+
 TORCH_LIBRARY(labkit_cpu, m) {
   m.def("q8_0_matvec(Tensor x, Tensor codes, Tensor scales) -> Tensor");
   m.def("q4_1_matvec(Tensor x, Tensor packed, Tensor scales, Tensor mins) -> Tensor");
   m.def("f32_matvec(Tensor x, Tensor w) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor pos) -> Tensor");
   m.def("stream_read(Tensor x) -> float");
+  m.def("layer_qkv(Tensor x, Tensor norm, float eps, Tensor[] w_qkv, Tensor cos, Tensor sin, int heads, int kv_heads) -> (Tensor, Tensor, Tensor)");
+  m.def("layer_out(Tensor x, Tensor y, Tensor[] w_o, Tensor norm, float eps, Tensor[] w_gate_up, Tensor[] w_down, int intermediate) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(labkit_cpu, CPU, m) {
   m.impl("q8_0_matvec", &q8_0_matvec);
@@ -369,4 +451,6 @@ TORCH_LIBRARY_IMPL(labkit_cpu, CPU, m) {
   m.impl("f32_matvec", &f32_matvec);
   m.impl("decode_attention", &decode_attention);
   m.impl("stream_read", &stream_read);
+  m.impl("layer_qkv", &layer_qkv);
+  m.impl("layer_out", &layer_out);
 }

@@ -31,7 +31,8 @@ module writes it, as llama.cpp's CPU backend does (ggml's vec_dot_q8_0_q8_0 and 
 - the passes are split across torch's threads (OpenMP, torch.set_num_threads).
 
 decode_attention is a one-token step's attention over the keys written so far, the rest of a step that
-inductor's loops took ~2.7 ms for at a 256-slot window. ops() builds the extension on first use
+inductor's loops took ~2.7 ms for at a 256-slot window; layer_qkv and layer_out are an engine's decoder
+layer on either side of its paged attention (fast_paged.FusedLayer). ops() builds the extension on first use
 (a C++ compiler, ~1 minute, cached in torch's extensions folder) and returns None, with a message, where it cannot: no compiler or no AVX2. Each op is
 registered with a shape-only fake so torch.compile calls it from its compiled graph.
 
@@ -54,8 +55,8 @@ SOURCE = Path(__file__).with_suffix(".cpp")  # the kernels, in C++
 
 @functools.cache
 def ops():
-    """torch.ops.labkit_cpu (q8_0_matvec, q4_1_matvec, f32_matvec, decode_attention, stream_read), built on first
-    use; None where it cannot be."""
+    """torch.ops.labkit_cpu (q8_0_matvec, q4_1_matvec, f32_matvec, decode_attention, stream_read, layer_qkv,
+    layer_out), built on first use; None where it cannot be."""
     if platform.machine() not in ("x86_64", "AMD64") or torch.backends.cpu.get_cpu_capability() == "DEFAULT":
         print("labkit.cpu_kernels: this CPU has no AVX2; the decode step uses PyTorch's kernels")
         return None

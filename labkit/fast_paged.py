@@ -16,6 +16,10 @@ runs exactly as before, so a learner's finished engine gets the same speed.
   model itself. Where the kernels cannot be built (no compiler, no AVX2) "cpp" falls back to "torch".
 - quantization="q8_0" / "q4_1" (GGUF's type names): every matrix quantized once to llama.cpp's blocks of
   32, and every pass, long or short, runs the integer loops (the float weights stay in the model).
+- A plain Llama layer (no biases, no q/k norm) also gets a FusedLayer: the work on either side of the paged
+  attention in one C++ call each, q/k/v and gate/up stacked into one packing (stage 04's forward_paged
+  calls it; the layer's modules stay, for everything else). On SmolLM2 it took a one-chat decode step from
+  20.4 to 16.2 ms (float32) and 13.4 to 9.1 ms (q8_0), two threads (bench serve's step_breakdown).
 - The per-row summation order of every loop depends on neither the number of rows nor the thread split,
   so a row gets the same bits in any batch that takes the same path; with max_rows=math.inf every pass
   takes it (row_invariant), which is how stage 04's batch-invariant mode runs on the kernels.
@@ -30,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_kernels
-from .model import Llama
+from .model import MLP, Llama, RMSNorm
 
 KERNELS = ("cpp", "torch")
 QUANTIZATIONS = ("q8_0", "q4_1")  # GGUF's names for the int8 and 4-bit blocks cpu_kernels reads
@@ -56,7 +60,7 @@ class PackedLinear(nn.Linear):
         packs = _PACKED[id(base.weight)]
         key = (quantization, _version(base.weight))  # an in-place change of the weight packs it again
         if key not in packs:
-            for stale in [k for k in packs if k[1] != key[1]]:
+            for stale in [k for k in packs if len(k) == 2 and k[1] != key[1]]:  # a Group's keys are longer
                 del packs[stale]
             w = base.weight.detach()
             pad = -w.shape[0] % cpu_kernels.MR  # zero rows to whole panels of 16
@@ -126,8 +130,98 @@ def accelerate(model: Llama, kernels: str = "cpp", quantization: str | None = No
         return new
 
     fast = rebuilt(model)
+    groups = []
+    for layer in fast.model.layers:
+        if FusedLayer.fits(layer, quantization):
+            layer.fused = FusedLayer(layer, ops)
+            groups += [layer.fused.qkv_group, layer.fused.gate_up_group]
+    grouped = {id(lin) for group in groups for lin in group.linears}
+    singles = [lay for lay in packed.values() if id(lay) not in grouped]
     # every packed matrix in one buffer on 2 MB pages, once per packing: a third more bandwidth here
-    fresh = [lay for lay in packed.values() if lay.packed[0].storage_offset() == 0]
-    for layer, copies in zip(fresh, cpu_kernels.huge_pages([lay.packed for lay in fresh]), strict=True):
-        layer.packed = _PACKED[id(layer.weight)][(layer.quantization, _version(layer.weight))] = copies
+    fresh = [g for g in groups if g.packed[0].storage_offset() == 0]
+    fresh_singles = [lay for lay in singles if lay.packed[0].storage_offset() == 0]
+    copies = cpu_kernels.huge_pages([g.packed for g in fresh] + [lay.packed for lay in fresh_singles])
+    for group, copied in zip(fresh, copies[: len(fresh)], strict=True):
+        group.adopt(copied)
+    for layer, copied in zip(fresh_singles, copies[len(fresh) :], strict=True):
+        layer.packed = _PACKED[id(layer.weight)][(layer.quantization, _version(layer.weight))] = copied
     return fast
+
+
+class Group:
+    """Linear layers that read the same input (q, k, v; gate, up) as one packing, stacked by output rows, that
+    one matrix loop streams: each layer's own packing becomes a view into it, so no weight is stored twice."""
+
+    def __init__(self, linears: list[PackedLinear]):
+        self.linears = linears
+        key = tuple((id(lin.weight), _version(lin.weight)) for lin in linears) + (linears[0].quantization,)
+        self.packs = _PACKED[id(linears[0].weight)]  # dropped with the first weight, as its own packings
+        if key not in self.packs:  # else an earlier engine on this model stacked them (and its layers are views)
+            self.packs[key] = tuple(torch.cat(parts) for parts in zip(*(lin.packed for lin in linears), strict=True))
+        self.key = key
+        self.adopt(self.packs[key])
+
+    def adopt(self, stacked: tuple[torch.Tensor, ...]) -> None:
+        """Take `stacked` (the stacked packing, or its copy on 2 MB pages) and point every layer's packing into it."""
+        self.packed = self.packs[self.key] = stacked
+        start = 0
+        for lin in self.linears:
+            rows = lin.packed[0].shape[0]  # panels of 16 for float32, output rows for the blocks
+            lin.packed = tuple(t[start : start + rows] for t in stacked)
+            _PACKED[id(lin.weight)][(lin.quantization, _version(lin.weight))] = lin.packed
+            start += rows
+
+
+class FusedLayer:
+    """A decoder layer's work on either side of its attention in one C++ call each (cpu_kernels.cpp's layer_qkv:
+    input norm, the stacked q/k/v product, RoPE; layer_out: o_proj, residual, norm, the stacked gate/up product,
+    SwiGLU, down_proj, residual), for stage 04's forward_paged, which runs the paged attention between them.
+
+    Eager PyTorch spent ~40 % of SmolLM2's decode step (one thread) on the ~60 small ops a layer these replace.
+    Only a plain Llama layer fuses (no biases, no Qwen3 q/k norm); a call returns None, and forward_paged runs
+    the layer's modules, where the modules were swapped since (stage 04's LoRA wraps them) or where a float32
+    pass has more than max_rows rows (the GEMM, where eager ops cost little beside the matrix work)."""
+
+    def __init__(self, layer: nn.Module, ops):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer, self.ops, self.c = layer, ops, attn.c
+        self.linears = self._linears()
+        self.qkv_group = Group([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.gate_up_group = Group([mlp.gate_proj, mlp.up_proj])
+
+    @staticmethod
+    def fits(layer: nn.Module, quantization: str | None) -> bool:
+        attn, mlp, c = layer.self_attn, layer.mlp, layer.self_attn.c
+        parts = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        stacked_whole = quantization or all(lin.out_features % cpu_kernels.MR == 0 for lin in parts[:2] + parts[4:5])
+        return (type(mlp) is MLP and all(type(lin) is PackedLinear and lin.bias is None for lin in parts)
+                and type(layer.input_layernorm) is type(layer.post_attention_layernorm) is RMSNorm
+                and not c.qk_norm and bool(stacked_whole))  # fmt: skip
+
+    def _linears(self) -> tuple:
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    def _applies(self, rows: int) -> bool:
+        lin = self.linears[0]
+        same = all(
+            a is b and not (a._forward_hooks or a._forward_pre_hooks)
+            for a, b in zip(self._linears(), self.linears, strict=True)
+        )
+        return same and (lin.quantization is not None or rows <= lin.max_rows)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x (N, hidden), cos and sin (N, 1, head_dim) -> q (N, H, D), k and v (N, KV, D); None where it does not apply."""
+        if not self._applies(len(x)):
+            return None
+        norm, c = self.layer.input_layernorm, self.c
+        return self.ops.layer_qkv(x, norm.weight, norm.eps, list(self.qkv_group.packed), cos, sin,
+                                  c.num_attention_heads, c.num_key_value_heads)  # fmt: skip
+
+    def out(self, x: torch.Tensor, y: torch.Tensor):
+        """x (N, hidden) the layer's input, y (N, H, D) its attention -> the layer's output; None where it does not apply."""
+        if not self._applies(len(x)):
+            return None
+        norm, o, down = self.layer.post_attention_layernorm, self.linears[3], self.linears[6]
+        return self.ops.layer_out(x, y, list(o.packed), norm.weight, norm.eps, list(self.gate_up_group.packed),
+                                  list(down.packed), self.c.intermediate_size)  # fmt: skip

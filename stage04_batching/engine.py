@@ -64,17 +64,24 @@ def forward_paged(
     cos, sin = model.rope_cos[positions, None], model.rope_sin[positions, None]  # (N, 1, head_dim): one row a token
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(N, c.num_attention_heads, c.head_dim)
-        k = attn.k_proj(h).view(N, c.num_key_value_heads, c.head_dim)
-        v = attn.v_proj(h).view(N, c.num_key_value_heads, c.head_dim)
-        q, k = attn.norm_qk(q, k)  # Qwen3's per-head RMSNorm; a no-op for the others
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # (N, heads, D)
+        fused = getattr(layer, "fused", None)  # fast_paged's: the same work around attention in one C++ call each
+        qkv = fused and fused.qkv(x, cos, sin)
+        if qkv is None:
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(N, c.num_attention_heads, c.head_dim)
+            k = attn.k_proj(h).view(N, c.num_key_value_heads, c.head_dim)
+            v = attn.v_proj(h).view(N, c.num_key_value_heads, c.head_dim)
+            q, k = attn.norm_qk(q, k)  # Qwen3's per-head RMSNorm; a no-op for the others
+            qkv = apply_rope(q, cos, sin), apply_rope(k, cos, sin), v  # (N, heads, D)
+        q, k, v = qkv
         cache.write(i, k, v, slots)
         k_pool, v_pool, tables = cache.read(i, block_tables)  # a quantized pool's blocks widened to float32
         y = paged_attention(q, k_pool, v_pool, tables, context_lens, query_lens)
-        x = x + attn.o_proj(y.reshape(N, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        out = fused and fused.out(x, y)
+        if out is None:
+            x = x + attn.o_proj(y.reshape(N, -1))
+            out = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = out
     if keep is not None:
         x = x[keep]
     elif N > len(query_lens):  # keep each sequence's last token; a pure decode step has only those

@@ -157,13 +157,26 @@ class Timers:
         setattr(owner, attr, timed)
 
 
-def step_breakdown(model, tok, chats: int, kernels: str, quantization: str, tokens: int) -> dict:
+# in process: PyTorch alone, the kernels under each layer's modules, the kernels with the layers fused
+VARIANTS = [
+    ("torch", "none", True),
+    ("cpp", "none", False),
+    ("cpp", "none", True),
+    ("cpp", "q8_0", False),
+    ("cpp", "q8_0", True),
+]
+
+
+def step_breakdown(model, tok, chats: int, kernels: str, quantization: str, tokens: int, fused: bool = True) -> dict:
     """Part B: ms per decode step of `chats` chats in process, split by where it goes (medians are not
-    possible per part: the parts are summed over the decode steps, then divided by their count)."""
+    possible per part: the parts are summed over the decode steps, then divided by their count). fused=False
+    runs every layer's modules (the engine before fast_paged.FusedLayer) on the same kernels."""
     from labkit.impl import load
 
     eng_mod, seq_mod = load("stage04_batching.engine"), load("stage04_batching.sequence")
     engine = eng_mod.LLMEngine(model, tok, num_blocks=256, max_num_seqs=8, kernels=kernels, quantization=quantization)
+    for layer in engine.model.model.layers if not fused else ():
+        layer.fused = None
     params = seq_mod.SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     for i in range(chats):
         engine.add_request(chat(QUESTIONS[i % len(QUESTIONS)]), params)
@@ -190,7 +203,8 @@ def step_breakdown(model, tok, chats: int, kernels: str, quantization: str, toke
     outside = ms.get("scheduling", 0) + ms.get("sampling", 0) + ms.get("detokenization", 0)
     other = total / steps * 1e3 - ms.get("forward", 0) - outside
     step_ms = total / steps * 1e3
-    row = {"chats": chats, "kernels": kernels, "quantization": quantization, "step ms": round(step_ms, 2), **{f"{k} ms": v for k, v in ms.items()},
+    layers = "fused" if any(getattr(lay, "fused", None) for lay in engine.model.model.layers) else "modules"
+    row = {"chats": chats, "kernels": kernels, "quantization": quantization, "layers": layers, "step ms": round(step_ms, 2), **{f"{k} ms": v for k, v in ms.items()},
            "bookkeeping ms": round(other, 3), "outside forward %": round(100 * (step_ms - ms.get("forward", 0)) / step_ms, 1)}  # fmt: skip
     return {**row, **floors.row(step_ms / 1e3, bytes=floors.weight_bytes(model) * BYTES_PER_WEIGHT[quantization] / 4)}
 
@@ -204,11 +218,11 @@ def main(quick: bool = False) -> bench.Result:
     steps = []
     for _ in range(1 if quick else 2):  # interleaved: each repeat runs every variant once
         for chats in (1, 8):
-            for kernels, q in (("torch", "none"), ("cpp", "none"), ("cpp", "q8_0")):
-                steps.append(step_breakdown(model, tok, chats, kernels, q, 16 if quick else 24))
-    key = lambda r: (r["chats"], r["kernels"], r["quantization"])  # noqa: E731
+            for kernels, q, fused in VARIANTS:
+                steps.append(step_breakdown(model, tok, chats, kernels, q, 16 if quick else 24, fused))
+    key = lambda r: (r["chats"], r["kernels"], r["quantization"], r["layers"])  # noqa: E731
     # per variant the repeat whose step time is the median (the lower middle of an even count), whole
-    step_rows = [sorted((r for r in steps if key(r) == k), key=lambda r: r["step ms"])[(len(steps) // 6 - 1) // 2]
+    step_rows = [sorted((r for r in steps if key(r) == k), key=lambda r: r["step ms"])[(len(steps) // 2 // len(VARIANTS) - 1) // 2]
                  for k in sorted({key(r) for r in steps})]  # fmt: skip
     figures = {"threads": THREADS, "step_breakdown": step_rows, "load_average_before_A": list(os.getloadavg())}
     if not LLAMA_SERVER.is_file():

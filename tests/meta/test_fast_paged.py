@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import cpu_kernels, fast_paged
-from labkit.testing import LLAMA_CONFIGS, random_labkit_llama, random_tokens, with_random_biases
+from labkit.testing import LLAMA_CONFIGS, TINY_LLAMA, random_labkit_llama, random_tokens, with_random_biases
 
 pytestmark = pytest.mark.skipif(not shutil.which("c++"), reason="labkit.cpu_kernels compiles C++: no c++ compiler")
 
@@ -106,3 +106,106 @@ def test_engine_config_names_the_quantizations():
     assert (EngineConfig.from_cli_args(args).quantization, args.kernels) == ("q4_1", "torch")
     with pytest.raises(SystemExit):
         parser.parse_args(["--quantization", "int3"])
+
+
+FUSED_SHAPES = {**LLAMA_CONFIGS, "wide-gqa": dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                                 intermediate_size=160)}  # fmt: skip
+
+
+def reference_linear(x: torch.Tensor, lin: nn.Linear, quantization: str | None) -> torch.Tensor:
+    """x times lin's weight in float64, as the kernels see them: the blocks' weights and the activation rounded."""
+    if quantization is None:
+        return x.double() @ lin.weight.double().T
+    w = cpu_kernels.dequantize(*getattr(cpu_kernels, f"quantize_{quantization}")(lin.weight.detach()))
+    return cpu_kernels.round_activation(x.float()).double() @ w.double().T
+
+
+def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (N, heads, D): dimension j < D/2 rotates with j + D/2 by the angle of its cos/sin, written out."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    c, s = cos[..., :half].double(), sin[..., :half].double()
+    return torch.cat([a * c - b * s, b * c + a * s], -1)
+
+
+def whole_blocks(config: dict) -> bool:
+    return all(config.get(k, 64) % cpu_kernels.BLOCK == 0 for k in ("hidden_size", "intermediate_size"))
+
+
+FUSED_CASES = [(name, q) for name, config in FUSED_SHAPES.items() for q in (None, "q8_0", "q4_1")
+               if q is None or whole_blocks(dict(TINY_LLAMA, **config))]  # fmt: skip
+# the quantized blocks take widths of whole blocks of 32; the others are float32 only
+
+
+@pytest.mark.parametrize("name,quantization", FUSED_CASES)
+def test_fused_layer_against_its_modules_in_float64(ops, name, quantization):
+    """FusedLayer.qkv and .out (forward_paged's two C++ calls a layer) against the layer written out in float64 from
+    its weights: norm, q/k/v, RoPE at random positions; o_proj, residual, norm, SwiGLU, residual; at 1..9, 23
+    rows. Quantized, the weights and each product's input are rounded as llama.cpp's blocks round them, so the
+    bound allows an activation code one step off. Past max_rows a float32 pass is left to the modules (None)."""
+    seed = list(FUSED_SHAPES).index(name)
+    model = random_labkit_llama(seed, **FUSED_SHAPES[name], vocab_size=128)
+    c = model.config
+    fast = fast_paged.accelerate(model, quantization=quantization)
+    for i, (layer, base) in enumerate(zip(fast.model.layers, model.model.layers, strict=True)):
+        fused = layer.fused
+        gen = torch.Generator().manual_seed(seed * 100 + i)
+        for rows in [*range(1, 10), 23]:
+            x = torch.randn(rows, c.hidden_size, generator=gen)
+            pos = torch.randint(0, 200, (rows,), generator=gen)
+            cos, sin = model.rope_cos[pos, None], model.rope_sin[pos, None]
+            with torch.no_grad():
+                q, k, v = fused.qkv(x, cos, sin)
+                h = base.input_layernorm(x)
+                attn = base.self_attn
+                want = [reference_linear(h, p, quantization).view(rows, -1, c.head_dim)
+                        for p in (attn.q_proj, attn.k_proj, attn.v_proj)]  # fmt: skip
+                want[0], want[1] = reference_rope(want[0], cos, sin), reference_rope(want[1], cos, sin)
+                y = torch.randn(rows, c.num_attention_heads, c.head_dim, generator=gen)
+                got_out = fused.out(x, y)
+                mid = x.double() + reference_linear(y.reshape(rows, -1), attn.o_proj, quantization)
+                h2 = base.post_attention_layernorm(mid.float())
+                mlp = base.mlp
+                a = F.silu(reference_linear(h2, mlp.gate_proj, quantization)) * reference_linear(
+                    h2, mlp.up_proj, quantization
+                )
+                want_out = mid + reference_linear(a.float(), mlp.down_proj, quantization)
+            tol = 1e-5 if quantization is None else 3e-2
+            for what, g, w in [("q", q, want[0]), ("k", k, want[1]), ("v", v, want[2]), ("out", got_out, want_out)]:
+                err, scale = (g.double() - w).abs().max().item(), w.abs().max().item()
+                assert err <= tol * scale + 1e-5, (
+                    f"seed={seed} {name} {quantization} layer {i}, {rows} rows: {what} off by {err:.3g} (scale {scale:.3g})"
+                )
+        x = torch.randn(fast_paged.CPP_MAX_ROWS + 1, c.hidden_size, generator=gen)
+        pos = torch.zeros(len(x), dtype=torch.long)
+        left = fused.qkv(x, model.rope_cos[pos, None], model.rope_sin[pos, None])
+        assert (left is None) == (quantization is None), (
+            f"{name}: a long float32 pass goes to the GEMM, a quantized one not"
+        )
+
+
+def test_a_layer_that_cannot_fuse_runs_its_modules(ops):
+    """Biases or Qwen3's q/k norm: no fused layer; a module swapped after accelerate() (stage 04's LoRA wraps them)
+    sends forward_paged back to the modules, so the swap is not bypassed."""
+    for extra in (dict(attention_bias=True), dict(mlp_bias=True), dict(qk_norm=True)):
+        fast = fast_paged.accelerate(random_labkit_llama(0, **extra))
+        assert not any(hasattr(layer, "fused") for layer in fast.model.layers), f"{extra}: fused"
+    fast = fast_paged.accelerate(random_labkit_llama(0))
+    layer = fast.model.layers[0]
+    x, cos, sin = torch.randn(2, 64), fast.rope_cos[:2, None], fast.rope_sin[:2, None]
+    assert layer.fused.qkv(x, cos, sin) is not None
+    layer.self_attn.k_proj = nn.Sequential(layer.self_attn.k_proj)
+    assert layer.fused.qkv(x, cos, sin) is None and layer.fused.out(x, torch.randn(2, 4, 16)) is None
+
+
+def test_stacked_packings_store_each_weight_once(ops):
+    """q, k, v (and gate, up) pack into one stacked buffer; each layer's own packing is a view into it, and a
+    second engine on the same model reuses both."""
+    model = random_labkit_llama(1, hidden_size=64, intermediate_size=96)
+    first, second = fast_paged.accelerate(model), fast_paged.accelerate(model)
+    for a, b in zip(first.model.layers, second.model.layers, strict=True):
+        stacked = a.fused.qkv_group.packed[0]
+        q, k, v = (a.self_attn.q_proj.packed[0], a.self_attn.k_proj.packed[0], a.self_attn.v_proj.packed[0])
+        assert q.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+        assert k.data_ptr() == stacked[len(q) :].data_ptr()
+        assert b.fused.qkv_group.packed[0].data_ptr() == stacked.data_ptr()
