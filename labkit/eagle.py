@@ -19,6 +19,7 @@ Stage 06 part 2 writes the cached draft step and the drafting loop; `forward` he
 teacher-forced pass that training uses, over whole sequences at once, with no cache.
 """
 
+import copy
 import dataclasses
 import json
 import os
@@ -36,8 +37,8 @@ REAL_EAGLE = ASSETS / "smollm2-eagle"
 class EagleHead(nn.Module):
     """head(feats (B, T, H), next_ids (B, T)) -> predicted next features (B, T, H), teacher-forced.
 
-    `vocab` (N,) int64 are the token ids the draft may propose; `lm_head_weight` (N, H) their rows of
-    the target's LM head. The target is kept outside this module's state_dict (a list holds it)."""
+    `vocab` (N,) int64 are the token ids the draft may propose; `lm_head` (H -> N, no bias) reads their logits
+    off a feature with their rows of the target's LM head (`lm_head_weight`, (N, H)). The target is kept outside this module's state_dict (a list holds it)."""
 
     def __init__(self, target: Llama, vocab: torch.Tensor):
         super().__init__()
@@ -46,9 +47,17 @@ class EagleHead(nn.Module):
         self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size)
         self.layer = Block(self.config)
         self.register_buffer("vocab", vocab.to(torch.long), persistent=False)
-        # the draft's LM head: the target's rows for `vocab`, copied once (a gather per step would cost more)
-        self.register_buffer("lm_head_weight", target.lm_head.weight[self.vocab].detach().clone(), persistent=False)
+        # the draft's LM head: the target's rows for `vocab`, copied once (a gather per step would cost more), frozen
+        # and not saved; a Linear, so that labkit.fast_paged.accelerate runs it on the packed loops like fc and the layer
+        self.lm_head = nn.Linear(c.hidden_size, len(self.vocab), bias=False)
+        del self.lm_head.weight
+        self.lm_head.register_buffer("weight", target.lm_head.weight[self.vocab].detach().clone(), persistent=False)
         self.target = [target]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """(N, H): the draft's LM head rows (head.lm_head(x) == x @ head.lm_head_weight.T)."""
+        return self.lm_head.weight
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.target[0].model.embed_tokens(ids)
@@ -84,6 +93,29 @@ def attach(target: Llama, vocab: torch.Tensor, seed: int = 0) -> EagleHead:
         head.fc.bias.zero_()
     p = target.lm_head.weight
     return head.to(dtype=p.dtype, device=p.device)
+
+
+def packed(head: EagleHead) -> EagleHead:
+    """A copy of `head` sharing every tensor, whose linear layers (fc, the layer's projections, the reduced LM
+    head) run labkit.cpu_kernels' float32 loop (labkit.fast_paged.PackedLinear): a draft step reads each weight
+    once at the loop's bandwidth instead of PyTorch's at one row. `head` itself where the kernels cannot build."""
+    from . import cpu_kernels
+    from .fast_paged import CPP_MAX_ROWS, PackedLinear
+
+    ops = cpu_kernels.ops()
+    if ops is None:
+        return head
+
+    def rebuilt(module: nn.Module) -> nn.Module:
+        if type(module) is nn.Linear:
+            return PackedLinear(module, ops, None, CPP_MAX_ROWS)
+        if not any(type(m) is nn.Linear for m in module.modules()):
+            return module
+        new = copy.copy(module)  # a shallow copy: its tensors and hooks shared, its children rebuilt
+        new._modules = {name: child and rebuilt(child) for name, child in module._modules.items()}
+        return new
+
+    return rebuilt(head)
 
 
 def save(head: EagleHead, path: str | os.PathLike, report: dict | None = None) -> None:

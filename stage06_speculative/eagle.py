@@ -45,7 +45,7 @@ def draft_forward(
 
     feats: (T, H) features (true or the draft's own); next_ids: (T,) int64, the token after each.
     x = fc(concat(feats, embed(next_ids))) then head.layer with the cache (layer 0, RoPE rows L .. L + T - 1,
-    causal mask) -> predicted features (T, H), the next position's; logits = predicted @ head.lm_head_weight.T
+    causal mask) -> predicted features (T, H), the next position's; logits = head.lm_head(predicted)
     over the head's vocabulary, scattered into the full vocabulary (-inf for tokens it cannot propose).
     returns (predicted features (T, H), logits (T, V) float32); afterwards cache.length = L + T.
     """

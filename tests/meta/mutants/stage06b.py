@@ -278,8 +278,8 @@ MUTANTS = [
     ),
     dict(
         file="eagle.py",
-        find="logits[:, head.vocab] = (x @ head.lm_head_weight.T).float()",
-        replace="logits[:, : len(head.vocab)] = (x @ head.lm_head_weight.T).float()",
+        find="logits[:, head.vocab] = head.lm_head(x).float()",
+        replace="logits[:, : len(head.vocab)] = head.lm_head(x).float()",
         bug="draft_forward takes the reduced head's row index for the token id",
     ),
     # eagle.py: propose
