@@ -2,15 +2,17 @@
 
 EAGLE learns to continue the target's feature sequence, so its training text should be text the
 target itself writes: the prompts below are filled from templates and subjects with fixed seeds,
-the target answers each greedily (batched, left-padded), and every position keeps the target's
-final normed hidden state (the LM head's input), the feature the draft regresses on. Held-out
-prompts use subjects no training prompt names.
+and the target answers each greedily through the course's own serving engine (stage 04's LLMEngine on
+labkit.cpu_kernels, ENGINE_CONCURRENCY chats at once: its aggregate throughput, not one chat's). A
+prefill pass over each prompt + answer then keeps, at every position, the target's final normed hidden
+state (the LM head's input, EAGLE-1's feature) and the residual stream after a low, a middle and a high
+layer (EAGLE-3's fused input). Held-out prompts use subjects no training prompt names.
 
     python -m labkit.eagle_data OUT_DIR [--train 1536] [--heldout 40] [--shards N]   # one shard per 64 prompts
 
-Training prompts are answered in blocks of BLOCK, sorted by length within a block (a batch of similar
-lengths pads little), so asking for more prompts adds shards and never changes the ones already written.
-"""
+Training prompts are answered in blocks of BLOCK, sorted by length within a block, so asking for more
+prompts adds shards and never changes the ones already written. Each shard records the seconds its
+answers and its features took (labkit.train's report sums them)."""
 
 import argparse
 import random
@@ -98,68 +100,70 @@ def prompts(n: int, heldout: bool = False, seed: int = 0) -> list[str]:
     return list(out)
 
 
+FUSED_LAYERS = (2, 15, 27)  # EAGLE-3's low, middle and high features: the residual stream after these layers
+ENGINE_CONCURRENCY = 16  # sequences the engine decodes at once: its aggregate throughput, not one chat's
+
+
+def answer(model: Llama, prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], float]:
+    """Greedy answers through stage 04's engine (labkit.cpu_kernels' float32 loops, ENGINE_CONCURRENCY chats
+    at once), each ending at EOS or after max_new tokens: (prompt + answer tokens per prompt, seconds)."""
+    from .impl import load  # the engine is stage 04's (given code); loaded, not imported, as notebooks do
+
+    engine_mod, seq = load("stage04_batching.engine"), load("stage04_batching.sequence")
+    engine = engine_mod.LLMEngine(model, None, kernels="cpp", max_num_seqs=ENGINE_CONCURRENCY, num_blocks=512)
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, seq.SamplingParams(max_tokens=max_new, temperature=0.0))
+    return [p + o.token_ids for p, o in zip(prompts, outs, strict=True)], time.perf_counter() - t0
+
+
 @torch.no_grad()
-def answer(model: Llama, batch: list[list[int]], max_new: int, eos: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy answers to a batch of prompts (left-padded), and for each row the target's final normed
-    hidden state at every position but the last: (prompt + answer tokens, features (len - 1, D))."""
-    B, P = len(batch), max(len(p) for p in batch)
-    ids = torch.tensor([[0] * (P - len(p)) + p for p in batch])
-    real = torch.tensor([[False] * (P - len(p)) + [True] * len(p) for p in batch])  # (B, P) not padding
-    cache = model.new_cache(B, P + max_new)
-    feats, new, done = [], [], torch.zeros(B, dtype=torch.bool)
-    x_ids, start = ids, 0
-    for _ in range(max_new):
-        T, S = x_ids.shape[1], start + x_ids.shape[1]
-        q = torch.arange(start, S)[:, None]
-        k = torch.arange(S)[None, :]
-        # attend causally to real keys; a padding query sees itself, so no softmax row is empty
-        mask = (k <= q) & (real[:, None, :S] | (k == q))[:, None]  # (B, 1, T, S)
-        x, cos, sin, _ = model.layer_inputs(x_ids, start)
-        for i, layer in enumerate(model.model.layers):
-            x = layer(x, cos, sin, mask, cache, i)
-        cache.length += T
-        h = model.model.norm(x)
-        feats.append(h.to(torch.bfloat16))
-        token = model.lm_head(h[:, -1]).argmax(-1)
-        token[done] = eos
-        new.append(token)
-        done |= token == eos
-        if done.all():
-            break
-        real = torch.cat([real, torch.ones(B, 1, dtype=torch.bool)], 1)
-        x_ids, start = token[:, None], S
-    feats, new = torch.cat(feats, 1), torch.stack(new, 1)
-    rows, row_feats = [], []
-    for b, p in enumerate(batch):
-        answer = new[b].tolist()
-        answer = answer[: answer.index(eos) + 1] if eos in answer else answer
-        rows.append(p + answer)
-        row_feats.append(feats[b, P - len(p) : P - 1 + len(answer)].clone())
-    return rows, row_feats
+def features(model: Llama, rows: list[list[int]], batch: int = 8) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """One prefill pass of the target over each whole row (right-padded, so padding never precedes a real
+    token): per row, the final normed hidden state at every position but the last, (len - 1, H) bfloat16
+    (EAGLE-1's feature), and the residual stream after FUSED_LAYERS there, (len - 1, 3H) bfloat16 (EAGLE-3's)."""
+    feats, fused = [], []
+    for i in range(0, len(rows), batch):
+        group = rows[i : i + batch]
+        T = max(len(r) for r in group)
+        x, cos, sin, mask = model.layer_inputs(torch.tensor([r + [0] * (T - len(r)) for r in group]))
+        taps = []
+        for j, layer in enumerate(model.model.layers):
+            x = layer(x, cos, sin, mask)
+            if j in FUSED_LAYERS:
+                taps.append(x)
+        h, taps = model.model.norm(x).to(torch.bfloat16), torch.cat(taps, -1).to(torch.bfloat16)
+        for b, r in enumerate(group):
+            feats.append(h[b, : len(r) - 1].clone())
+            fused.append(taps[b, : len(r) - 1].clone())
+    return feats, fused
 
 
 BLOCK = 768  # training prompts per block (12 shards)
 
 
-def generate(out: Path, texts: list[str], name: str, shards: int | None = None, batch: int = 64, max_new: int = 128):
-    """Answer `texts` in batches of similar length, shortest prompts first within each BLOCK; write the first
-    `shards` (None: all) as out/NAME-NNN.pt ({ids, feats}), skipping those already there."""
+def generate(
+    out: Path, texts: list[str], name: str, shards: int | None = None, per_shard: int = 64, max_new: int = 128
+):
+    """Answer `texts` shortest prompts first within each BLOCK, per_shard a shard; write the first `shards` (None:
+    all) as out/NAME-NNN.pt ({ids, feats, fused, seconds: {answer, features}}), skipping those already there."""
     folder = require_real_model()
     tok, model = load_tokenizer(folder), from_pretrained(folder).eval()
-    eos = model.config.eos_token_id
     encoded = [p for b in range(0, len(texts), BLOCK) for p in sorted((tok.encode(t).ids for t in texts[b : b + BLOCK]), key=len)]  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     t0, n_tokens = time.time(), 0
-    for shard, i in enumerate(range(0, len(encoded), batch)):
+    for shard, i in enumerate(range(0, len(encoded), per_shard)):
         if shards is not None and shard >= shards:
             break
         path = out / f"{name}-{shard:03d}.pt"
         if path.exists():
             continue
-        ids, feats = answer(model, encoded[i : i + batch], max_new, eos)
-        torch.save({"ids": ids, "feats": feats}, path)
+        ids, answer_s = answer(model, encoded[i : i + per_shard], max_new)
+        t1 = time.perf_counter()
+        feats, fused = features(model, ids)
+        seconds = {"answer": round(answer_s, 1), "features": round(time.perf_counter() - t1, 1)}
+        torch.save({"ids": ids, "feats": feats, "fused": fused, "seconds": seconds}, path)
         n_tokens += sum(len(r) for r in ids)
-        print(f"{name} shard {shard}: {n_tokens} tokens, {time.time() - t0:.0f}s", flush=True)
+        print(f"{name} shard {shard}: {n_tokens} tokens, {seconds}, {time.time() - t0:.0f}s", flush=True)
 
 
 def main(argv=None):

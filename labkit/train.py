@@ -18,15 +18,15 @@ The LoRA adapters (labkit/assets/lora/NAME, PEFT folders: adapter_config.json an
 adapter_model.safetensors) fine-tune the target through `peft` on stories rewritten one way each,
 so a learner sees which adapter served a request: a character name, a style, a topic.
 
-The EAGLE head of SmolLM2-135M-Instruct (labkit/eagle.py, stage 06 part 2) is trained on SmolLM2's own
-greedy answers to prompts written in labkit/eagle_data.py (generated once into EAGLE_DATA, outside the
-repository) and goes to labkit/assets/smollm2-eagle, its training report in its config.json; SmolLM2's
-Medusa heads, trained on the same answers for lab4's comparison, go to labkit/assets/smollm2-medusa.
+The EAGLE head of SmolLM2-135M-Instruct (labkit/eagle.py, stage 06 part 2) is trained by labkit/train_eagle.py
+(train_eagle, importable from here too) on SmolLM2's own greedy answers to prompts written in
+labkit/eagle_data.py (generated once into EAGLE_DATA, outside the repository) and goes to
+labkit/assets/smollm2-eagle, its training report in its config.json; SmolLM2's Medusa heads, trained on the
+same answers for lab4's comparison, go to labkit/assets/smollm2-medusa.
 """
 
 import argparse
 import json
-import math
 import re
 import tempfile
 import time
@@ -35,10 +35,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import ASSETS, DRAFT, LORA, TARGET, corpus, eagle, eagle_data, medusa, quality
+from . import ASSETS, DRAFT, LORA, TARGET, corpus, medusa, quality
 from .checkpoint import load_tokenizer
 from .device import pin_threads
-from .model import Config, Llama, apply_rope, causal_mask, from_pretrained, grouped_attention, init_weights, save
+from .model import Config, Llama, from_pretrained, init_weights, save
+from .train_eagle import (  # train_eagle: stage 06 lab4 §1 has learners read it from here
+    _frozen_target_and_answers,
+    acceptance_report,
+    lr_at,
+    train_eagle,
+)
 
 VOCAB = 2048
 SEQ = 512
@@ -78,13 +84,6 @@ def windows(ids: torch.Tensor, batch: int, gen: torch.Generator) -> torch.Tensor
     """`batch` random windows of SEQ + 1 tokens from the packed token stream."""
     starts = torch.randint(0, len(ids) - SEQ - 1, (batch,), generator=gen)
     return torch.stack([ids[s : s + SEQ + 1] for s in starts.tolist()])
-
-
-def lr_at(step: int, steps: int, peak: float, warmup: int = 30) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)  # cosine decay to 10 % of the peak
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
 def fit(model: Llama, ids: torch.Tensor, steps: int, batch: int, peak_lr: float, teacher: Llama | None, seed: int):
@@ -193,187 +192,6 @@ def train_medusa(target: Llama, tokenizer, steps: int = 400, batch: int = 1024, 
     return report
 
 
-EAGLE_DATA = Path("~/.cache/llm-course/eagle-data").expanduser()  # SmolLM2's answers and features, not shipped
-EAGLE_VOCAB = 8192  # the draft's LM head: the training data's tokens, most frequent first, then the lowest unseen
-# ids (BPE's earliest merges, frequent in the tokenizer's own corpus): held-out subjects bring words the
-# training answers never used (the data's 3,421 tokens covered 85 % of held-out answers, 8,192 this way 91 %)
-EAGLE_LR = 2e-3  # peak; only fc and the layer train, the target is frozen
-EAGLE_NOISE = 0.2  # uniform noise on the input features (EAGLE's augmentation), relative to their std
-EAGLE_CE = 0.1  # weight of the token loss beside the feature regression (the EAGLE paper's)
-
-
-def eagle_rows(folder: Path, name: str, shards: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
-    """(ids (L,), feats (L - 1, H) float32, where the answer starts) per answered prompt in the first
-    `shards` (None: all) of folder/NAME-*.pt."""
-    rows = []
-    for shard in sorted(folder.glob(f"{name}-*.pt"))[:shards]:
-        data = torch.load(shard)
-        for ids, feats in zip(data["ids"], data["feats"], strict=True):
-            answer = max(i for i, t in enumerate(ids) if t == 1) + 4  # after "<|im_start|>assistant\n"
-            rows.append((torch.tensor(ids), feats.float(), answer))
-    return rows
-
-
-def eagle_vocab(rows, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The draft's EAGLE_VOCAB token ids (the rows' tokens by count, then unseen ids in BPE order), and each
-    token's index among them (-100 outside)."""
-    counts = torch.bincount(torch.cat([r[0] for r in rows]), minlength=vocab_size)
-    vocab = counts.argsort(descending=True, stable=True)[:EAGLE_VOCAB]  # ties (count 0 included) by id
-    index_of = torch.full((vocab_size,), -100)
-    index_of[vocab] = torch.arange(len(vocab))
-    return vocab, index_of
-
-
-def eagle_batch(rows, picks: list[int], index_of: torch.Tensor):
-    """Right-padded (feats (B, T, H), next_ids (B, T), target feats (B, T, H), labels (B, T), real (B, T) bool),
-    T = longest - 2; position i reads (f_i, token i + 1) and should give f_{i+1} and token i + 2 (label -100:
-    padding, or a token outside the draft's vocabulary; real: not padding)."""
-    T = max(len(rows[i][0]) for i in picks) - 2
-    H = rows[picks[0]][1].shape[1]
-    feats, nxt, goal = (
-        torch.zeros(len(picks), T, H),
-        torch.zeros(len(picks), T, dtype=torch.long),
-        torch.zeros(len(picks), T, H),
-    )
-    labels, real = torch.full((len(picks), T), -100), torch.zeros(len(picks), T, dtype=torch.bool)
-    for b, i in enumerate(picks):
-        ids, f, _ = rows[i]
-        n = len(ids) - 2
-        feats[b, :n], nxt[b, :n], goal[b, :n], labels[b, :n] = f[:n], ids[1 : n + 1], f[1 : n + 1], index_of[ids[2:]]
-        real[b, :n] = True
-    return feats, nxt, goal, labels, real
-
-
-@torch.no_grad()
-def eagle_acceptance(head: eagle.EagleHead, rows, k: int = 4, stride: int = 8) -> dict:
-    """Chain drafting of k tokens from every `stride`-th answer position of held-out rows, checked against
-    the target's own greedy answer: how often draft j is right given drafts 1..j-1 were, and the mean
-    accepted drafts per verification (+ 1 for the target's bonus token is tokens per verification)."""
-    right, tried, accepted, rounds = [0] * k, [0] * k, 0, 0
-    for ids, feats, answer in rows:
-        pred = head(feats[None], ids[None, 1:])[0]  # pred[t - 1] = f^_t from true features
-        for t in range(len(ids) - k - 1, answer - 1, -stride):
-            f, n = pred[t - 1], 0
-            seen_feats, seen_ids = feats[:t], ids[1 : t + 1]  # true features before t, the tokens after them
-            for j in range(k):
-                token = int(head.vocab[(f @ head.lm_head_weight.T).argmax()])
-                tried[j] += 1
-                if token != int(ids[t + 1 + j]):
-                    break
-                right[j] += 1
-                n += 1
-                # the draft's next step reads its own feature: the whole prefix again (the head has no cache)
-                seen_feats, seen_ids = torch.cat([seen_feats, f[None]]), torch.cat([seen_ids, torch.tensor([token])])
-                f = head(seen_feats[None], seen_ids[None])[0, -1]
-            accepted, rounds = accepted + n, rounds + 1
-    return acceptance_report(right, tried, accepted, rounds)
-
-
-@torch.no_grad()
-def eagle_top1(head: eagle.EagleHead, rows) -> float:
-    """How often the first draft (from the true feature) is the target's next answer token, teacher-forced:
-    on training rows against held-out ones, the gap says whether the head overfits or underfits."""
-    right = total = 0
-    for ids, feats, answer in rows:
-        guess = head.vocab[(head(feats[None], ids[None, 1:])[0] @ head.lm_head_weight.T).argmax(-1)]
-        right += int((guess[answer - 2 : -1] == ids[answer:]).sum())  # guess[i] is for token i + 2
-        total += len(ids) - answer
-    return round(right / max(total, 1), 4)
-
-
-def eagle_second_step(head: eagle.EagleHead, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
-    """The draft's second step at every position at once (EAGLE-3's training-time test, one step deep).
-
-    x1: (B, T, H) fc outputs of the teacher-forced pass (true features); x2: (B, T, H) fc outputs whose
-    feature half is the draft's own prediction. Position j of x2 attends to x1's positions before j and to
-    itself, as at inference, where the cache holds true features and only the newest input is predicted."""
-    layer, c = head.layer, head.config
-    B, T, _ = x1.shape
-    cos, sin = head.target[0].rope(0, T)
-
-    def qkv(h):
-        a = layer.self_attn
-        q = a.q_proj(h).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = a.k_proj(h).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = a.v_proj(h).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        q, k = a.norm_qk(q, k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    _, k1, v1 = qkv(layer.input_layernorm(x1))
-    q2, k2, v2 = qkv(layer.input_layernorm(x2))
-    earlier = torch.ones(T, T, dtype=torch.bool).tril(-1)
-    mask = torch.cat([earlier, torch.eye(T, dtype=torch.bool)], dim=1)  # (T, 2T): true past, own input
-    y = grouped_attention(q2, torch.cat([k1, k2], 2), torch.cat([v1, v2], 2), mask)
-    x = x2 + layer.self_attn.o_proj(y.transpose(1, 2).reshape(B, T, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
-
-
-def _frozen_target_and_answers(shards: int):
-    """SmolLM2 frozen, its self-distilled answers (train shards, held out) and the head vocabulary they give."""
-    from .checkpoint import require_real_model
-
-    eagle_data.main([str(EAGLE_DATA), "--shards", str(shards)])  # answers only what is not there yet
-    target = from_pretrained(require_real_model()).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
-    rows, heldout = eagle_rows(EAGLE_DATA, "train", shards), eagle_rows(EAGLE_DATA, "heldout")
-    vocab, index_of = eagle_vocab(rows, target.config.vocab_size)
-    return target, rows, heldout, vocab, index_of
-
-
-def train_eagle(steps: int, shards: int, batch: int = 4, seed: int = 4) -> dict:
-    """Self-distillation: SmolLM2 answers prompts written in labkit.eagle_data (generated once into EAGLE_DATA),
-    then fc and the layer learn to predict its next feature (smooth L1) and, through its LM head restricted to
-    the EAGLE_VOCAB most frequent tokens, its next token (cross-entropy). Saves to labkit.eagle.REAL_EAGLE."""
-    target, rows, heldout, vocab, index_of = _frozen_target_and_answers(shards)
-    n_tokens = sum(len(r[0]) for r in rows)
-    print(f"eagle: {len(rows)} answers, {n_tokens} tokens, vocabulary {len(vocab)}, {steps} steps", flush=True)
-    head = eagle.attach(target, vocab, seed).train()
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=EAGLE_LR, weight_decay=0.0)
-    scale = torch.cat([r[1] for r in rows[:32]]).std().item()  # the features' spread, for the noise
-    gen = torch.Generator().manual_seed(seed)
-    t0, log = time.time(), []
-    for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, EAGLE_LR, warmup=20)
-        picks = torch.randint(0, len(rows), (batch,), generator=gen).tolist()
-        feats, nxt, goal, labels, real = eagle_batch(rows, picks, index_of)
-        noise = (torch.rand(feats.shape, generator=gen) - 0.5) * 2 * EAGLE_NOISE * scale
-        x1 = head.fc(torch.cat([feats + noise, head.embed(nxt)], dim=-1))
-        pred = head.layer(x1, *head.target[0].rope(0, x1.shape[1]), causal_mask(0, x1.shape[1]))
-        # step 2 reads the step-1 prediction of its own feature (position 0 has none: it keeps the true one)
-        own = torch.cat([feats[:, :1], pred[:, :-1].detach()], dim=1)
-        pred2 = eagle_second_step(head, x1, head.fc(torch.cat([own, head.embed(nxt)], dim=-1)))
-        regression = ce = 0
-        for p in (pred, pred2):
-            regression = regression + F.smooth_l1_loss(p[real], goal[real]) / 2
-            ce = ce + F.cross_entropy((p @ head.lm_head_weight.T).flatten(0, 1), labels.flatten()) / 2
-        loss = regression + EAGLE_CE * ce
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        if step % 25 == 0 or step == steps - 1:
-            log.append({"step": step, "regression": round(regression.item(), 4), "ce": round(ce.item(), 4)})
-            print(f"  step {step:4d}/{steps}  {log[-1]}  {time.time() - t0:6.0f}s", flush=True)
-        if (step + 1) % 50 == 0 and step < steps - 1:  # a head to ship if the run is stopped early
-            eagle.save(head, eagle.REAL_EAGLE, {"steps": step + 1, "batch": batch, "loss_log": log, "unfinished": True})
-    secs = time.time() - t0
-    head.eval()
-    report = {
-        "data": {"train_answers": len(rows), "train_tokens": n_tokens, "heldout_answers": len(heldout),
-                 "generated_by": "SmolLM2-135M-Instruct, greedy, labkit.eagle_data prompts"},
-        "vocab": len(vocab),
-        "vocab_coverage_heldout": round(index_of[torch.cat([r[0] for r in heldout])].ne(-100).float().mean().item(), 4),
-        "params": sum(p.numel() for p in head.parameters()),
-        "steps": steps, "batch": batch, "train_seconds": round(secs), "loss_log": log,
-        "first_draft_top1": {"train": eagle_top1(head, rows[:: max(1, len(rows) // 40)]), "heldout": eagle_top1(head, heldout)},
-        "heldout": eagle_acceptance(head, heldout),
-    }  # fmt: skip
-    eagle.save(head, eagle.REAL_EAGLE, report)
-    return report
-
-
 SMOLLM2_MEDUSA = ASSETS / "smollm2-medusa"
 
 
@@ -387,7 +205,7 @@ def train_smollm2_medusa(steps: int, shards: int, batch: int = 256, seed: int = 
     reduced.requires_grad_(False)
     K = MEDUSA_HEADS
     feats, labels = [], []  # every answer position t, and head k's label: token t + k + 1 (-100: none)
-    for ids, f, answer in rows:
+    for ids, f, answer, _ in rows:
         padded = torch.cat([index_of[ids], torch.full((K + 1,), -100)])
         t = torch.arange(answer - 1, len(ids) - 1)
         feats.append(f[t])
@@ -418,23 +236,12 @@ def train_smollm2_medusa(steps: int, shards: int, batch: int = 256, seed: int = 
     return report
 
 
-def acceptance_report(right: list[int], tried: list[int], accepted: int, rounds: int) -> dict:
-    """The chain counts eagle_acceptance and medusa_chain_acceptance share: per draft position, how often
-    it matched given that every earlier one did; drafts accepted per verification; verifications."""
-    return {
-        "k": len(tried),
-        "acceptance_per_position": [round(r / max(t, 1), 4) for r, t in zip(right, tried, strict=True)],
-        "accepted_per_verification": round(accepted / max(rounds, 1), 3),
-        "verifications": rounds,
-    }
-
-
 @torch.no_grad()
 def medusa_chain_acceptance(heads: medusa.MedusaHeads, rows, k: int, stride: int = 8) -> dict:
     """eagle_acceptance's count for Medusa's chain of top-1 guesses, at the same positions: where EAGLE reads
     (f_{t-1}, token t) and drafts t + 1 .. t + k, head j reads f_{t-1} alone and guesses token t + j."""
     right, tried, accepted, rounds = [0] * k, [0] * k, 0, 0
-    for ids, feats, answer in rows:
+    for ids, feats, answer, _ in rows:
         for t in range(len(ids) - k - 1, answer - 1, -stride):
             guesses, n = heads(feats[t - 1]).argmax(-1).tolist(), 0
             for j in range(k):
