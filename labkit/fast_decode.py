@@ -52,9 +52,9 @@ from . import cpu_kernels
 from .model import KVCache, Llama, apply_rope, grouped_attention, refuse_extras
 
 BACKENDS = ("eager", "compile", "cudagraph")
-WEIGHTS = ("fp32", "int8", "int4")
+WEIGHTS = ("fp32", "int8", "int4", "q4_0")  # q4_0: llama.cpp's Q4_0, kernels="cpp" only
 KERNELS = ("torch", "cpp")
-CPP_FORMATS = {"fp32": "f32", "int8": "q8_0", "int4": "q4_1"}  # labkit.cpu_kernels' op per weights
+CPP_FORMATS = {"fp32": "f32", "int8": "q8_0", "int4": "q4_1", "q4_0": "q4_0"}  # labkit.cpu_kernels' op per weights
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,6 +130,9 @@ class StaticDecoder:
                 raise ValueError(f"kernels='cpp' needs every matrix's inputs ({sorted(sizes)}) a multiple of "
                                  f"{cpu_kernels.BLOCK} and the vocabulary ({c.vocab_size}) of 4; use kernels='torch'")  # fmt: skip
             self.ops = cpu_kernels.ops()  # None (it says why) where it cannot be built: PyTorch's kernels then
+        if weights == "q4_0" and self.ops is None:
+            raise ValueError("weights='q4_0' runs labkit.cpu_kernels' Q4_0 loop (rows interleaved in eights): use "
+                             "kernels='cpp' on a CPU with AVX2 and a C++ compiler, or weights='int4'")  # fmt: skip
         self.model, self.cache, self.backend, self.c, self.window = model, cache, backend, c, window
         self.weights, self.group_size, self.kernels = weights, group_size, "cpp" if self.ops else "torch"
         layers = model.model.layers
@@ -171,7 +174,7 @@ class StaticDecoder:
     def quantize(self, w: torch.Tensor, name: str):
         if self.kernels == "cpp":
             return {"fp32": cpu_kernels.pack_f32, "int8": cpu_kernels.quantize_q8_0,
-                    "int4": cpu_kernels.quantize_q4_1}[self.weights](w.detach())  # fmt: skip
+                    "int4": cpu_kernels.quantize_q4_1, "q4_0": cpu_kernels.quantize_q4_0}[self.weights](w.detach())  # fmt: skip
         if self.weights == "int8":
             return quantize_int8(w)
         out, inp = w.shape

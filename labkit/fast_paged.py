@@ -14,7 +14,7 @@ runs exactly as before, so a learner's finished engine gets the same speed.
   float32 matrix-vector loop, which reads each weight once for all its rows; a longer pass (a prefill
   chunk) through PyTorch's GEMM, which is compute-bound there and faster. kernels="torch" returns the
   model itself. Where the kernels cannot be built (no compiler, no AVX2) "cpp" falls back to "torch".
-- quantization="q8_0" / "q4_1" (GGUF's type names): every matrix quantized once to llama.cpp's blocks of
+- quantization="q8_0" / "q4_0" / "q4_1" (GGUF's type names): every matrix quantized once to llama.cpp's blocks of
   32, and every pass, long or short, runs the integer loops (the float weights stay in the model).
 - A plain Llama layer (no biases, no q/k norm) also gets a FusedLayer: the work on either side of the paged
   attention in one C++ call each, q/k/v and gate/up stacked into one packing (stage 04's forward_paged
@@ -37,7 +37,7 @@ from . import cpu_kernels
 from .model import MLP, Llama, RMSNorm
 
 KERNELS = ("cpp", "torch")
-QUANTIZATIONS = ("q8_0", "q4_1")  # GGUF's names for the int8 and 4-bit blocks cpu_kernels reads
+QUANTIZATIONS = ("q8_0", "q4_0", "q4_1")  # GGUF's names for the int8 and 4-bit blocks cpu_kernels reads
 CPP_MAX_ROWS = 128  # passes of more rows take PyTorch's GEMM (float32); bench multirow: the kernel ahead to 128
 _PACKED: dict[int, dict] = {}  # id(weight) -> {(quantization, its version): packed}, while the weight lives
 
@@ -66,6 +66,7 @@ class PackedLinear(nn.Linear):
             pad = -w.shape[0] % cpu_kernels.MR  # zero rows to whole panels of 16
             packs[key] = {None: lambda: (cpu_kernels.pack_f32(F.pad(w, (0, 0, 0, pad))),),
                           "q8_0": lambda: cpu_kernels.quantize_q8_0(w),
+                          "q4_0": lambda: cpu_kernels.quantize_q4_0(w),
                           "q4_1": lambda: cpu_kernels.quantize_q4_1(w)}[quantization]()  # fmt: skip
         self.packed = packs[key]
 
@@ -96,9 +97,11 @@ def _version(weight: torch.Tensor) -> int:
 
 def fits(linear: nn.Linear, quantization: str | None) -> bool:
     """Whether the kernels take this matrix: float32 of any shape (its last panel padded with zero rows), or
-    quantized with inputs a multiple of 32 (the blocks) and outputs of 4."""
+    quantized with inputs a multiple of 32 (the blocks) and outputs of 4 (Q4_0: 8, its rows interleave in eights)."""
     out, inp = linear.weight.shape
-    shape_ok = inp % cpu_kernels.BLOCK == 0 and out % 4 == 0 if quantization else True
+    shape_ok = (
+        inp % cpu_kernels.BLOCK == 0 and out % (8 if quantization == "q4_0" else 4) == 0 if quantization else True
+    )
     return linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu" and shape_ok
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "int8")  # vLLM's --kv-cache-dtype names (kv_quant.py stores the last two)
 KERNELS = ("cpp", "torch")  # the linear layers' loops: labkit.cpu_kernels (labkit/fast_paged.py) or PyTorch's
-QUANTIZATIONS = ("none", "q8_0", "q4_1")  # the weights' format, GGUF's type names (none: the model's float32)
+QUANTIZATIONS = ("none", "q8_0", "q4_0", "q4_1")  # the weights' format, GGUF's type names (none: the model's float32)
 CHOICES = {"kv_cache_dtype": KV_CACHE_DTYPES, "kernels": KERNELS, "quantization": QUANTIZATIONS}
 
 
@@ -29,7 +29,7 @@ class EngineConfig:
     batch_invariant: bool = False  # a token's logits independent of its batch, bit for bit (batch_invariant.py); slower
     kv_cache_dtype: str = "auto"  # the KV pool's format (kv_quant.py): auto (the model's), fp8_e4m3 or int8
     kernels: str = "cpp"  # the linear layers through labkit.cpu_kernels (PyTorch's where they cannot build)
-    quantization: str = "none"  # q8_0 or q4_1: the weights in llama.cpp's blocks of 32, through the same kernels
+    quantization: str = "none"  # q8_0, q4_0 or q4_1: the weights in llama.cpp's blocks of 32, through the same kernels
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens"):

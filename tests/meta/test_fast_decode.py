@@ -297,7 +297,7 @@ def test_cpp_decode_attention_equals_sdpa():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not shutil.which("c++"), reason="labkit.cpu_kernels compiles C++: no c++ compiler on PATH")
-@pytest.mark.parametrize("weights", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("weights", ["fp32", "int8", "int4", "q4_0"])
 def test_cpp_step_compiled_equals_eager(weights):
     """kernels="cpp" inside torch.compile's graph computes what it computes eagerly, and fp32 what the model does."""
     if cpu_kernels.ops() is None:

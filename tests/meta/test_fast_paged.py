@@ -50,15 +50,15 @@ def test_fast_forward_equals_the_model_at_every_row_count(ops, name):
         assert err <= 1e-5 * scale + 1e-5, f"seed={seed} {name}: {rows} rows differ by {err:.3g} (scale {scale:.3g})"
 
 
-@pytest.mark.parametrize("quantization", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_0", "q4_1"])
 def test_quantized_linear_against_gguf_quants(ops, quantization):
     """A PackedLinear of llama.cpp's blocks against gguf.quants' dequantized weights times the activation rounded
     to int8 blocks, in float64, at B = 1..9 rows and widths that are odd multiples of 32; codes may sit one step
     from gguf's (test_fast_decode checks the quantizers), so the bound is one step per input plus rounding."""
     from gguf import GGMLQuantizationType, quants
 
-    qtype = GGMLQuantizationType.Q8_0 if quantization == "q8_0" else GGMLQuantizationType.Q4_1
-    for out, inp in [(36, 96), (52, 160)]:
+    qtype = getattr(GGMLQuantizationType, quantization.upper())
+    for out, inp in [(40, 96), (56, 160)] if quantization == "q4_0" else [(36, 96), (52, 160)]:
         seed = out + inp
         gen = torch.Generator().manual_seed(seed)
         linear = nn.Linear(inp, out, bias=True)
@@ -71,6 +71,9 @@ def test_quantized_linear_against_gguf_quants(ops, quantization):
         step = (w_hat.double().unflatten(1, (-1, 32)).amax(-1) - w_hat.double().unflatten(1, (-1, 32)).amin(-1)) / (
             254 if quantization == "q8_0" else 15
         )
+        if quantization == "q4_0":  # the same codes as gguf's: its weights exactly, so no step of slack
+            assert torch.equal(cpu_kernels.dequantize(*cpu_kernels.quantize_q4_0(linear.weight.detach())), w_hat)
+            step = torch.zeros_like(step)
         layer = fast_paged.PackedLinear(linear, ops, quantization, fast_paged.CPP_MAX_ROWS)
         for B in range(1, 10):
             x = torch.randn(B, inp, generator=gen)
@@ -86,7 +89,7 @@ def test_quantized_linear_against_gguf_quants(ops, quantization):
 def test_unknown_names_are_refused():
     model = random_labkit_llama(0)
     with pytest.raises(ValueError, match="q8_0"):
-        fast_paged.accelerate(model, quantization="q4_0")
+        fast_paged.accelerate(model, quantization="q4_k")
     with pytest.raises(ValueError, match="cpp"):
         fast_paged.accelerate(model, kernels="avx")
     assert fast_paged.accelerate(model, kernels="torch") is model
@@ -99,7 +102,7 @@ def test_engine_config_names_the_quantizations():
     from stage04_batching.config import EngineConfig
 
     with pytest.raises(ValueError, match="q8_0"):
-        EngineConfig(quantization="q4_0")
+        EngineConfig(quantization="q4_k")
     parser = argparse.ArgumentParser()
     EngineConfig.add_cli_args(parser)
     args = parser.parse_args(["--quantization", "q4_1", "--kernels", "torch"])
@@ -132,7 +135,7 @@ def whole_blocks(config: dict) -> bool:
     return all(config.get(k, 64) % cpu_kernels.BLOCK == 0 for k in ("hidden_size", "intermediate_size"))
 
 
-FUSED_CASES = [(name, q) for name, config in FUSED_SHAPES.items() for q in (None, "q8_0", "q4_1")
+FUSED_CASES = [(name, q) for name, config in FUSED_SHAPES.items() for q in (None, "q8_0", "q4_0", "q4_1")
                if q is None or whole_blocks(dict(TINY_LLAMA, **config))]  # fmt: skip
 # the quantized blocks take widths of whole blocks of 32; the others are float32 only
 
