@@ -51,7 +51,7 @@ lab: setup
 
 ## make bench STAGE=02 [QUICK=1] [MODEL=dir DRAFT=dir]: one stage's benchmark (reference solution unless
 ## IMPL=student) on the tiny pair or your HF-format Llama folders; QUICK=1 saves to bench_results/*_quick.*
-bench: setup $(if $(filter 03b decode,$(STAGE)),llamacpp) $(if $(filter serve,$(STAGE)),llama-server) $(if $(filter 04b_guided,$(STAGE)),guided)
+bench: setup $(if $(filter 03b decode decode_q4_0,$(STAGE)),llamacpp) $(if $(filter serve,$(STAGE)),llama-server) $(if $(filter 04b_guided,$(STAGE)),guided)
 	@test -n "$(STAGE)" || { echo "usage: make bench STAGE=02"; exit 2; }
 	LABS_IMPL=$(IMPL) $(PY) -m labkit.bench $(STAGE) $(if $(QUICK),--quick)
 

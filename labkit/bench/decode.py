@@ -6,8 +6,8 @@
 $MODEL defaults to the tiny target; `real` is SmolLM2-135M-Instruct. At one thread, then two:
 
 - decode: one cached step of labkit.fast_decode.StaticDecoder, torch.compile'd, with labkit.cpu_kernels' fp32,
-  int8 (Q8_0) and int4 (Q4_1, LM head included) loops, at contexts CONTEXTS, beside llama.cpp on the same
-  model as GGUF F32, Q8_0, Q4_1 with its LM head at Q4_1 (what the course's int4 computes), Q4_0 likewise
+  int8 (Q8_0), int4 (Q4_1, LM head included) and q4_0 (Q4_0, rows interleaved in eights) loops, at contexts
+  CONTEXTS, beside llama.cpp on the same model as GGUF F32, Q8_0, Q4_1 with its LM head at Q4_1 (what the course's int4 computes), Q4_0 likewise
   (llama.cpp's fastest 4-bit path on x86: it repacks Q4_0 rows to interleave them), and, on SmolLM2, the
   shipped Q4_1 file (LM head Q8_0). Each llama.cpp row runs in a process of its own (llamacpp_worker.py:
   no torch in it), flash attention on, weights mmap'd on 4 kB pages as llama-cpp-python loads them, and
@@ -54,7 +54,7 @@ THREADS = (1, 2)
 GREEDY_TOKENS = 64
 ROUNDS, BLOCK, SETTLE = 10, 10, 3
 PROMPT = "<|im_start|>user\nWhat is the capital of France, and why?<|im_end|>\n<|im_start|>assistant\n"
-COURSE = {"fp32": "F32", "int8": "Q8_0", "int4": "Q4_1"}  # the GGUF of each course precision: the same weights
+COURSE = {"fp32": "F32", "int8": "Q8_0", "int4": "Q4_1", "q4_0": "Q4_0"}  # each precision's GGUF: the same weights
 
 
 def aten_ops(step) -> int:
@@ -79,7 +79,8 @@ def profile_step(step) -> list[dict]:
         profiles.append((span, p.events()))
     total, events = min(profiles, key=lambda t: t[0])
     events = [e for e in events if e.name.startswith("labkit_cpu::")]
-    decoder, per_weight = step.decoder, {"fp32": 4, "int8": 1 + 2 / 32, "int4": 0.5 + 4 / 32}  # bytes per weight
+    per_weight = {"fp32": 4, "int8": 1 + 2 / 32, "int4": 0.5 + 4 / 32, "q4_0": 0.5 + 2 / 32}  # bytes per weight
+    decoder = step.decoder
     rows, c = {}, step.decoder.c
     for e in events:
         if e.name == "labkit_cpu::decode_attention":  # reads the keys and values 0..pos of one layer
@@ -87,7 +88,8 @@ def profile_step(step) -> list[dict]:
             nbytes = 2 * c.num_key_value_heads * (CONTEXT + 1) * c.head_dim * 4
         else:
             (_, n_in), w = e.input_shapes[0], e.input_shapes[1]
-            n_out = w[0] * (w[2] if len(w) == 3 else 1)  # float32 comes packed: (out / 16, in, 16)
+            # float32 comes packed (out / 16, in, 16), Q4_0 (out / 8, in / 32, 128): rows interleaved
+            n_out = w[0] * 8 if e.name.endswith("q4_0_matvec") else w[0] * (w[2] if len(w) == 3 else 1)
             kind = "LM head" if n_out == c.vocab_size else f"({n_out}, {n_in}) matrices"
             nbytes = int(n_out * n_in * per_weight[decoder.weights])
         row = rows.setdefault(kind, {"op": kind, "calls": 0, "us": 0.0, "bytes": 0})
@@ -208,7 +210,11 @@ def dequantized(model, weights: str):
     dequantized weights, and each one's input is rounded to int8 blocks of 32 first (round_activation), as
     the loops (and llama.cpp) round x before their integer dot products."""
     model = copy.deepcopy(model)
-    quantize = {"int8": cpu_kernels.quantize_q8_0, "int4": cpu_kernels.quantize_q4_1}[weights]
+    quantize = {
+        "int8": cpu_kernels.quantize_q8_0,
+        "int4": cpu_kernels.quantize_q4_1,
+        "q4_0": cpu_kernels.quantize_q4_0,
+    }[weights]
     with torch.no_grad():
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())  # unties the embedding
         for linear in [m for m in model.modules() if isinstance(m, torch.nn.Linear)]:
@@ -387,7 +393,6 @@ def plot_decode(rows: list[dict], which: str):
     fig, ax = plt.subplots()
     lines = [(f"StaticDecoder, compiled, cpp {w}", "-", f"C{i}") for i, w in enumerate(COURSE)]
     lines += [(f"llama.cpp {m}", "--", f"C{i}") for i, m in enumerate(COURSE.values())]
-    lines += [("llama.cpp Q4_0", ":", "C2")]
     for name, style, color in lines:
         pts = sorted((r["context"], r["ms"]) for r in rows if r["variant"] == name and r["threads"] == 1)
         if pts:
