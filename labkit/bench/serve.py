@@ -2,9 +2,9 @@
 
     make bench STAGE=serve [QUICK=1]     (builds llama-server once: make llama-server)
 
-A. Serving: the course's server (stage 04's engine, its linear layers through labkit.cpu_kernels; float32 and
-   --quantization q8_0) and llama-server (native build, -np 8 -t 2 -fa on) on the same weights (GGUF F32 and
-   Q8_0, from the GGUF the course's model is converted from) each serve the same chats through the same
+A. Serving: the course's server (stage 04's engine, its linear layers through labkit.cpu_kernels; float32,
+   --quantization q8_0 and q4_0) and llama-server (native build, -np 8 -t 2 -fa on) at the same precisions (GGUF
+   F32, Q8_0 and Q4_0, from the GGUF the course's model is converted from) each serve the same chats through the same
    OpenAI-compatible load generator (labkit.bench.loadtest: streamed /v1/completions, greedy, EOS ignored) at
    1, 4 and 8 concurrent chats. Each runs at its defaults: make serve's engine on one core fewer than the
    machine has (1 on two cores: the event loop and the clients need one), llama-server on THREADS (-t, its
@@ -43,7 +43,7 @@ from .stage04_real import QUESTIONS, chat
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_SERVER = ROOT / ".venv" / "llama-server" / "build" / "bin" / "llama-server"
 THREADS = int(os.environ.get("SERVE_THREADS", "2"))  # llama-server's threads (the issue's 2), the in-process step's
-BYTES_PER_WEIGHT = {"none": 4.0, "q8_0": 34 / 32}  # float32; Q8_0's 32 int8 codes and a float16 scale
+BYTES_PER_WEIGHT = {"none": 4.0, "q8_0": 34 / 32, "q4_0": 18 / 32}  # float32; per 32 weights, codes and a float16 scale
 
 
 def free_port() -> int:
@@ -72,7 +72,7 @@ def start_servers(tmp: Path, ggufs: dict[str, Path]) -> dict[str, tuple[str, sub
     folder = require_real_model()
     module = ("solutions." if os.environ.get("LABS_IMPL") == "solution" else "") + "stage04_batching.serve"
     serve = [sys.executable, "-m", module, "--model", str(folder)]
-    cmds = {f"make serve ({q})": [*serve, "--quantization", q] for q in ("none", "q8_0")}
+    cmds = {f"make serve ({q})": [*serve, "--quantization", q] for q in ("none", "q8_0", "q4_0")}
     cmds[f"make serve (none, --threads {THREADS})"] = [*serve, "--threads", str(THREADS)]
     for mix, path in ggufs.items():
         cmds[f"llama-server {mix}"] = [str(LLAMA_SERVER), "-m", str(path), "-np", "8", "-t", str(THREADS),
@@ -125,7 +125,7 @@ def serving(ggufs: dict[str, Path], repeats: int, max_tokens: int) -> tuple[list
     rows = []
     for (name, conc), runs_of_row in runs.items():
         results = [r for r in runs_of_row if "tokens_per_s" in r] or [{"tokens_per_s": float("nan")}]
-        precision = "q8_0" if "q8_0" in name.lower() else "none"
+        precision = next((q for q in ("q8_0", "q4_0") if q in name.lower()), "none")
         tps = statistics.median(r["tokens_per_s"] for r in results)
         # one decode step of `conc` chats reads the weights once: conc tokens per weight read at best
         floor = floors.row(conc / tps, bytes=params * BYTES_PER_WEIGHT[precision])
@@ -164,6 +164,7 @@ VARIANTS = [
     ("cpp", "none", True),
     ("cpp", "q8_0", False),
     ("cpp", "q8_0", True),
+    ("cpp", "q4_0", True),
 ]
 
 
@@ -231,7 +232,7 @@ def main(quick: bool = False) -> bench.Result:
     else:
         tmp = tempfile.TemporaryDirectory()
         src = installed_gguf()
-        ggufs = {mix: requantize(src, Path(tmp.name) / f"{mix}.gguf", mix) for mix in ("F32", "Q8_0")}
+        ggufs = {mix: requantize(src, Path(tmp.name) / f"{mix}.gguf", mix) for mix in ("F32", "Q8_0", "Q4_0")}
         import llama_cpp  # this llama-server prints no system info: the same llama.cpp's, built by make llamacpp
 
         figures["llama_print_system_info"] = llama_cpp.llama_print_system_info().decode()
