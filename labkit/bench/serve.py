@@ -14,7 +14,9 @@ A. Serving: the course's server (stage 04's engine, its linear layers through la
    Each row's floor: the weights' bytes (at the row's precision) over the measured bandwidth per decode step,
    shared by the chats in a step.
 B. The engine's step, in process (no HTTP): where a step's time goes (forward, attention inside it, sampling,
-   scheduling, detokenization, the rest) at 1 and 8 chats, and the step against its floor.
+   scheduling, detokenization, the rest) at 1 and 8 chats on THREADS threads, with each layer's modules and with
+   fast_paged's fused layers, and the step against its floor; and the step make serve runs (its default
+   threads, one chat), so that a served token (TPOT) splits into the step and what the server adds.
 """
 
 import asyncio
@@ -166,6 +168,8 @@ VARIANTS = [
     ("cpp", "q8_0", True),
     ("cpp", "q4_0", True),
 ]
+SERVED = [("cpp", q, True) for q in ("none", "q8_0", "q4_0")]  # what make serve runs, at its default threads
+SERVE_THREADS = max(1, (os.cpu_count() or 2) - 1)  # serve.py's default: one core fewer than the machine has
 
 
 def step_breakdown(model, tok, chats: int, kernels: str, quantization: str, tokens: int, fused: bool = True) -> dict:
@@ -210,22 +214,32 @@ def step_breakdown(model, tok, chats: int, kernels: str, quantization: str, toke
     return {**row, **floors.row(step_ms / 1e3, bytes=floors.weight_bytes(model) * BYTES_PER_WEIGHT[quantization] / 4)}
 
 
+def step_rows(model, tok, quick: bool) -> list[dict]:
+    """Part B's rows: every VARIANT at 1 and 8 chats on THREADS threads, and what make serve runs at its
+    default (one engine thread here) at one chat, to split a served token into the step and the server; per
+    variant the repeat whose step time is the median (the lower middle of an even count), whole."""
+    steps, repeats = [], 1 if quick else 2
+    for _ in range(repeats):  # interleaved: each repeat runs every variant once
+        for threads, chats, (kernels, q, fused) in [*((THREADS, c, v) for c in (1, 8) for v in VARIANTS),
+                                                    *((SERVE_THREADS, 1, v) for v in SERVED)]:  # fmt: skip
+            torch.set_num_threads(threads)
+            steps.append(
+                {"threads": threads, **step_breakdown(model, tok, chats, kernels, q, 16 if quick else 24, fused)}
+            )
+    torch.set_num_threads(THREADS)
+    key = lambda r: (r["threads"], r["chats"], r["kernels"], r["quantization"], r["layers"])  # noqa: E731
+    return [sorted((r for r in steps if key(r) == k), key=lambda r: r["step ms"])[(repeats - 1) // 2]
+            for k in sorted({key(r) for r in steps})]  # fmt: skip
+
+
 def main(quick: bool = False) -> bench.Result:
     torch.set_num_threads(THREADS)
     from labkit.gguf_model import installed_gguf
     from labkit.model import from_pretrained
 
     model, tok = from_pretrained(require_real_model()), load_tokenizer(require_real_model())
-    steps = []
-    for _ in range(1 if quick else 2):  # interleaved: each repeat runs every variant once
-        for chats in (1, 8):
-            for kernels, q, fused in VARIANTS:
-                steps.append(step_breakdown(model, tok, chats, kernels, q, 16 if quick else 24, fused))
-    key = lambda r: (r["chats"], r["kernels"], r["quantization"], r["layers"])  # noqa: E731
-    # per variant the repeat whose step time is the median (the lower middle of an even count), whole
-    step_rows = [sorted((r for r in steps if key(r) == k), key=lambda r: r["step ms"])[(len(steps) // 2 // len(VARIANTS) - 1) // 2]
-                 for k in sorted({key(r) for r in steps})]  # fmt: skip
-    figures = {"threads": THREADS, "step_breakdown": step_rows, "load_average_before_A": list(os.getloadavg())}
+    figures = {"threads": THREADS, "step_breakdown": step_rows(model, tok, quick),
+               "load_average_before_A": list(os.getloadavg())}  # fmt: skip
     if not LLAMA_SERVER.is_file():
         print(f"llama-server rows left out: {LLAMA_SERVER} is not built (make llama-server)")
         ggufs, tmp = {}, None
