@@ -19,7 +19,7 @@ runs exactly as before, so a learner's finished engine gets the same speed.
 - A plain Llama layer (no biases, no q/k norm) also gets a FusedLayer: the work on either side of the paged
   attention in one C++ call each, q/k/v and gate/up stacked into one packing (stage 04's forward_paged
   calls it; the layer's modules stay, for everything else). On SmolLM2 it took a one-chat decode step from
-  25.9 to 19.0 ms (float32) and 14.5 to 9.5 ms (q8_0), two threads (bench_results/serve.json's step_breakdown).
+  28.9 to 22.9 ms (float32) and 15.4 to 9.8 ms (q8_0), two threads (bench_results/serve.json's step_breakdown).
 - The per-row summation order of every loop depends on neither the number of rows nor the thread split,
   so a row gets the same bits in any batch that takes the same path; with max_rows=math.inf every pass
   takes it (row_invariant), which is how stage 04's batch-invariant mode runs on the kernels.

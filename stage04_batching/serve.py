@@ -69,14 +69,16 @@ def main(argv=None) -> None:
         "--threads",
         type=int,
         default=None,
-        help="torch threads for the engine's step (default: $OMP_NUM_THREADS if set, else one core fewer than the "
-        "machine has, at least 1: the event loop and the clients need a core, and on two cores a second torch "
-        "thread made a served token slower, not faster)",
+        help="torch threads for the engine's step (default: $OMP_NUM_THREADS if set, else every core, as "
+        "llama-server's -t; on two cores both made a served token faster than one, with the event loop beside them)",
     )
     EngineConfig.add_cli_args(ap)
     args = ap.parse_args(argv)
-    if args.threads or "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 2) - 1))
+    threads = args.threads or (torch.get_num_threads() if "OMP_NUM_THREADS" in os.environ else os.cpu_count() or 1)
+    # Load and pack on this thread alone, so that only the engine's step thread (AsyncEngine.stepper) ever starts
+    # OpenMP threads: with a second team alive (this thread's), libgomp sees more threads than cores and stops
+    # spinning between parallel regions, and every region of a step waits for its threads to wake.
+    torch.set_num_threads(1)
     if args.lora_modules and args.batch_invariant:
         ap.error("--batch-invariant does not cover LoRA adapters (batch_invariant.py tiles the base model's matmuls)")
     tokenizer = load_tokenizer(args.model)
@@ -96,6 +98,7 @@ def main(argv=None) -> None:
         )
     if args.fault_marker:
         engine.fault_hook = fail_on_marker(tokenizer, args.fault_marker)
+    torch.set_num_threads(threads)  # what the step thread's team takes
     app = create_app(
         engine,
         tokenizer,

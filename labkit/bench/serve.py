@@ -6,17 +6,16 @@ A. Serving: the course's server (stage 04's engine, its linear layers through la
    --quantization q8_0 and q4_0) and llama-server (native build, -np 8 -t 2 -fa on) at the same precisions (GGUF
    F32, Q8_0 and Q4_0, from the GGUF the course's model is converted from) each serve the same chats through the same
    OpenAI-compatible load generator (labkit.bench.loadtest: streamed /v1/completions, greedy, EOS ignored) at
-   1, 4 and 8 concurrent chats. Each runs at its defaults: make serve's engine on one core fewer than the
-   machine has (1 on two cores: the event loop and the clients need one), llama-server on THREADS (-t, its
-   default: the physical cores); one more row is make serve --threads THREADS, to show what the spare core
-   buys. Every server runs in its own process and all stay up for the whole run; the
+   1, 4 and 8 concurrent chats. Each runs at its defaults: make serve's engine on every core, llama-server on
+   THREADS (-t, its default: the physical cores); one more row is make serve --threads 1, the event loop and
+   the clients then a core of their own. Every server runs in its own process and all stay up for the whole run; the
    variants take turns within each repeat so the shared machine's load falls on all alike; medians of repeats.
    Each row's floor: the weights' bytes (at the row's precision) over the measured bandwidth per decode step,
    shared by the chats in a step.
 B. The engine's step, in process (no HTTP): where a step's time goes (forward, attention inside it, sampling,
    scheduling, detokenization, the rest) at 1 and 8 chats on THREADS threads, with each layer's modules and with
-   fast_paged's fused layers, and the step against its floor; and the step make serve runs (its default
-   threads, one chat), so that a served token (TPOT) splits into the step and what the server adds.
+   fast_paged's fused layers, and the step against its floor; beside a served token's TPOT at the same threads,
+   what the server adds.
 """
 
 import asyncio
@@ -75,7 +74,7 @@ def start_servers(tmp: Path, ggufs: dict[str, Path]) -> dict[str, tuple[str, sub
     module = ("solutions." if os.environ.get("LABS_IMPL") == "solution" else "") + "stage04_batching.serve"
     serve = [sys.executable, "-m", module, "--model", str(folder)]
     cmds = {f"make serve ({q})": [*serve, "--quantization", q] for q in ("none", "q8_0", "q4_0")}
-    cmds[f"make serve (none, --threads {THREADS})"] = [*serve, "--threads", str(THREADS)]
+    cmds["make serve (none, --threads 1)"] = [*serve, "--threads", "1"]  # the event loop and clients get a core
     for mix, path in ggufs.items():
         cmds[f"llama-server {mix}"] = [str(LLAMA_SERVER), "-m", str(path), "-np", "8", "-t", str(THREADS),
                                        "-fa", "on", "-c", "8192", "--host", "127.0.0.1"]  # fmt: skip
@@ -168,8 +167,6 @@ VARIANTS = [
     ("cpp", "q8_0", True),
     ("cpp", "q4_0", True),
 ]
-SERVED = [("cpp", q, True) for q in ("none", "q8_0", "q4_0")]  # what make serve runs, at its default threads
-SERVE_THREADS = max(1, (os.cpu_count() or 2) - 1)  # serve.py's default: one core fewer than the machine has
 
 
 def step_breakdown(model, tok, chats: int, kernels: str, quantization: str, tokens: int, fused: bool = True) -> dict:
@@ -215,19 +212,15 @@ def step_breakdown(model, tok, chats: int, kernels: str, quantization: str, toke
 
 
 def step_rows(model, tok, quick: bool) -> list[dict]:
-    """Part B's rows: every VARIANT at 1 and 8 chats on THREADS threads, and what make serve runs at its
-    default (one engine thread here) at one chat, to split a served token into the step and the server; per
-    variant the repeat whose step time is the median (the lower middle of an even count), whole."""
+    """Part B's rows: every VARIANT at 1 and 8 chats on THREADS threads (make serve's default on a machine of
+    THREADS cores, so that a served token's TPOT splits into this step and what the server adds); per variant
+    the repeat whose step time is the median (the lower middle of an even count), whole."""
     steps, repeats = [], 1 if quick else 2
     for _ in range(repeats):  # interleaved: each repeat runs every variant once
-        for threads, chats, (kernels, q, fused) in [*((THREADS, c, v) for c in (1, 8) for v in VARIANTS),
-                                                    *((SERVE_THREADS, 1, v) for v in SERVED)]:  # fmt: skip
-            torch.set_num_threads(threads)
-            steps.append(
-                {"threads": threads, **step_breakdown(model, tok, chats, kernels, q, 16 if quick else 24, fused)}
-            )
-    torch.set_num_threads(THREADS)
-    key = lambda r: (r["threads"], r["chats"], r["kernels"], r["quantization"], r["layers"])  # noqa: E731
+        for chats in (1, 8):
+            for kernels, q, fused in VARIANTS:
+                steps.append(step_breakdown(model, tok, chats, kernels, q, 16 if quick else 24, fused))
+    key = lambda r: (r["chats"], r["kernels"], r["quantization"], r["layers"])  # noqa: E731
     return [sorted((r for r in steps if key(r) == k), key=lambda r: r["step ms"])[(repeats - 1) // 2]
             for k in sorted({key(r) for r in steps})]  # fmt: skip
 

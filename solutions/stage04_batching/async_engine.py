@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .engine import LLMEngine, RequestOutput
@@ -55,6 +56,8 @@ class AsyncEngine:
         self.step_started: float | None = None  # time.monotonic() when the running engine step began
         self.num_steps = 0
         self.dead: str | None = None  # why the loop is down for good
+        # every step on one thread: torch's OpenMP team belongs to the thread that runs it (serve.py says why one)
+        self.stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
 
     @property
     def num_waiting(self) -> int:
@@ -113,7 +116,7 @@ class AsyncEngine:
         """One engine.step() in a worker thread, so the event loop serves HTTP meanwhile; records metrics."""
         self.step_started = time.monotonic()
         try:
-            outputs = await asyncio.to_thread(self.engine.step)
+            outputs = await asyncio.get_running_loop().run_in_executor(self.stepper, self.engine.step)
         finally:
             self.step_started = None
         self.num_steps += 1

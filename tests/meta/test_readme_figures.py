@@ -24,7 +24,7 @@ def agrees(figure: str, value: float) -> bool:
 def test_stage04_readme_quotes_the_serve_table():
     """Each server's tokens/s at 1, 4 and 8 chats and its one-chat TTFT, row by row."""
     rows, readme = bench("serve")["rows"], text("stage04_batching/README.md")
-    names = {"`make serve` float32": "make serve (none)", "`make serve --threads 2` float32": "make serve (none, --threads 2)",
+    names = {"`make serve` float32": "make serve (none)", "`make serve --threads 1` float32": "make serve (none, --threads 1)",
              "`make serve --quantization q8_0`": "make serve (q8_0)", "`make serve --quantization q4_0`": "make serve (q4_0)",
              "`llama-server` F32 (native build, `-np 8 -t 2 -fa on`)": "llama-server F32",
              "`llama-server` Q8_0": "llama-server Q8_0", "`llama-server` Q4_0": "llama-server Q4_0"}  # fmt: skip
