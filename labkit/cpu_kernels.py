@@ -169,6 +169,19 @@ def quantize_q4_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.contiguous(), d.squeeze(-1).half().reshape(out // 8, 8, -1).transpose(1, 2).contiguous()
 
 
+def pack_q8_0x8(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantize_q8_0's (codes (out, in), scales (out, in / 32)) -> q8_0x8_matvec's rows interleaved in eights:
+    codes (out / 8, in / 32, 256) int8 (for each four inputs, the eight rows' four codes), scales (out / 8, in / 32,
+    8) float16 and 128 * each row's sum of codes per block (out / 8, in / 32, 8) int32."""
+    out, inp = codes.shape
+    if out % 8:
+        raise ValueError(f"pack_q8_0x8: ({out}, {inp}) (out, in) needs out % 8 == 0")
+    groups = codes.reshape(out // 8, 8, inp // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)  # group, block, quad, row, 4
+    sums = 128 * codes.reshape(out // 8, 8, inp // BLOCK, BLOCK).sum(-1, dtype=torch.int32).transpose(1, 2)
+    return (groups.reshape(out // 8, inp // BLOCK, 256).contiguous(),
+            scales.reshape(out // 8, 8, -1).transpose(1, 2).contiguous(), sums.contiguous())  # fmt: skip
+
+
 def round_activation(x: torch.Tensor) -> torch.Tensor:
     """x (..., in) float32 rounded as the Q8_0 and Q4_1 loops round it before their integer products: per block
     of 32 inputs a scale d = max |x| / 127 and codes round(x / d) (ties to even) -> codes * d."""

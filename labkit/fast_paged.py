@@ -19,7 +19,7 @@ runs exactly as before, so a learner's finished engine gets the same speed.
 - A plain Llama layer (no biases, no q/k norm) also gets a FusedLayer: the work on either side of the paged
   attention in one C++ call each, q/k/v and gate/up stacked into one packing (stage 04's forward_paged
   calls it; the layer's modules stay, for everything else). On SmolLM2 it took a one-chat decode step from
-  28.9 to 22.9 ms (float32) and 15.4 to 9.8 ms (q8_0), two threads (bench_results/serve.json's step_breakdown).
+  24.9 to 20.5 ms (float32) and 16.1 to 9.3 ms (q8_0), two threads (bench_results/serve.json's step_breakdown).
 - The per-row summation order of every loop depends on neither the number of rows nor the thread split,
   so a row gets the same bits in any batch that takes the same path; with max_rows=math.inf every pass
   takes it (row_invariant), which is how stage 04's batch-invariant mode runs on the kernels.
@@ -38,6 +38,9 @@ from .model import MLP, Llama, RMSNorm
 
 KERNELS = ("cpp", "torch")
 QUANTIZATIONS = ("q8_0", "q4_0", "q4_1")  # GGUF's names for the int8 and 4-bit blocks cpu_kernels reads
+# each format's loop; Q8_0 and Q4_0 with their rows interleaved in eights, which serve several x rows a load:
+# 8 rows of SmolLM2's Q8_0 LM head cost 5.0 ms against 11.9 row by row (one thread)
+OPS = {None: "f32_matvec", "q8_0": "q8_0x8_matvec", "q4_0": "q4_0_matvec", "q4_1": "q4_1_matvec"}
 CPP_MAX_ROWS = 128  # passes of more rows take PyTorch's GEMM (float32); bench multirow: the kernel ahead to 128
 _PACKED: dict[int, dict] = {}  # id(weight) -> {(quantization, its version): packed}, while the weight lives
 
@@ -53,7 +56,7 @@ class PackedLinear(nn.Linear):
         self.weight, self.bias = base.weight, base.bias
         self._forward_hooks, self._forward_pre_hooks = base._forward_hooks, base._forward_pre_hooks
         self.quantization, self.max_rows = quantization, max_rows
-        self.op = getattr(ops, f"{quantization or 'f32'}_matvec")
+        self.op = getattr(ops, OPS[quantization])
         if id(base.weight) not in _PACKED:  # engines built on one model share its packing
             _PACKED[id(base.weight)] = {}
             weakref.finalize(base.weight, _PACKED.pop, id(base.weight), None)
@@ -65,7 +68,7 @@ class PackedLinear(nn.Linear):
             w = base.weight.detach()
             pad = -w.shape[0] % cpu_kernels.MR  # zero rows to whole panels of 16
             packs[key] = {None: lambda: (cpu_kernels.pack_f32(F.pad(w, (0, 0, 0, pad))),),
-                          "q8_0": lambda: cpu_kernels.quantize_q8_0(w),
+                          "q8_0": lambda: cpu_kernels.pack_q8_0x8(*cpu_kernels.quantize_q8_0(w)),
                           "q4_0": lambda: cpu_kernels.quantize_q4_0(w),
                           "q4_1": lambda: cpu_kernels.quantize_q4_1(w)}[quantization]()  # fmt: skip
         self.packed = packs[key]
@@ -97,10 +100,10 @@ def _version(weight: torch.Tensor) -> int:
 
 def fits(linear: nn.Linear, quantization: str | None) -> bool:
     """Whether the kernels take this matrix: float32 of any shape (its last panel padded with zero rows), or
-    quantized with inputs a multiple of 32 (the blocks) and outputs of 4 (Q4_0: 8, its rows interleave in eights)."""
+    quantized with inputs a multiple of 32 (the blocks) and outputs of 4 (Q4_1) or 8 (rows interleaved in eights)."""
     out, inp = linear.weight.shape
     shape_ok = (
-        inp % cpu_kernels.BLOCK == 0 and out % (8 if quantization == "q4_0" else 4) == 0 if quantization else True
+        inp % cpu_kernels.BLOCK == 0 and out % (4 if quantization == "q4_1" else 8) == 0 if quantization else True
     )
     return linear.weight.dtype == torch.float32 and linear.weight.device.type == "cpu" and shape_ok
 
