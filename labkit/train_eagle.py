@@ -291,7 +291,8 @@ def eagle_study(target, rows, heldout, steps: int, batch: int, seed: int, report
         if n == 1:
             report["recipes"][variant] = result
         else:
-            report["learning_curve"].insert(0, {"fraction": f"1/{n}", **result})
+            report["learning_curve"].append({"fraction": f"1/{n}", **result})
+            report["learning_curve"].sort(key=lambda point: point["train_tokens"])
         print(f"eagle study: {variant} on 1/{n}: {result['heldout']}", flush=True)
         save()
 

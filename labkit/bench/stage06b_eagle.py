@@ -8,25 +8,30 @@ names). The baseline is plain greedy decoding with the compiled one-token step (
 StaticDecoder, torch.compile, kernels="cpp": labkit.cpu_kernels' float32 loop where it builds), the
 fastest plain decode the course has; the eager model's own generate is timed beside it. EAGLE's
 verification runs the same weights and kernels compiled for k + 1 tokens (labkit.fast_verify.
-StaticVerifier, on the same cache), so both sides use the compiler and the loop; the eager
-verification is a row of its own. All variants run interleaved in one process, medians of repeats;
-each row's floor is the plain decode's bytes (every weight once per token) at the measured bandwidth.
+StaticVerifier, on the same cache), so both sides use the compiler and the loop (which reads each weight
+once for all k + 1 rows); the eager verification is a cost row. The draft's matrices run the same loop
+(labkit.eagle.packed: fc, the layer and the reduced LM head).
+All variants run interleaved in one process, medians of repeats; each row's floor is the plain decode's
+bytes (every weight once per token) at the measured bandwidth.
 
 - acceptance per draft position j: of the rounds whose drafts 1..j-1 were all accepted, how many
   accepted draft j too; accepted per verification is the mean run of accepted drafts (the tokens a
   verification emits are that + 1);
-- the cost breakdown: a draft step (one position through fc, the layer and the reduced LM head) and
-  a verification over k + 1 tokens, both in units of one plain target step, which is what decides
-  whether the accepted tokens pay: speedup ~ (accepted + 1) / (verify + k * draft) in those units;
-- the same head with the target's whole 49,152-token LM head, for what the reduced vocabulary buys, and
-  at k = 2 (a cheaper round where acceptance is low);
+- the cost breakdown: a draft step (one position through fc, the layer and the reduced LM head; packed and
+  eager) and a verification over k + 1 tokens for each k, in units of one plain target step, which is what
+  decides whether the accepted tokens pay: speedup ~ (accepted + 1) / (verify + k * draft) in those units
+  (figures["break_even"]: that prediction per k beside the measured speedup, and the acceptance 1.3x needs);
+- EAGLE at k = 1 .. K, the eager draft and the whole 49,152-token LM head at k = K, for what the packed
+  draft and the reduced vocabulary buy;
 - Medusa heads trained on the same answers (labkit/assets/smollm2-medusa, `python -m labkit.train --only
   smollm2-medusa`), as a chain of 4 and as stage 06's tree, through the stage's medusa_generate (eager
   verification);
-- inside stage 06's batching engine (batch_engine.py, every request submitted at once), the EAGLE
-  head as its proposer at fixed k and with choose_k (the acceptance-aware policy, on costs measured
-  here), against the same engine without speculation, at a few concurrencies (stage06b.sweep: its
-  outputs must equal the target's greedy decoding).
+- inside stage 06's batching engine (batch_engine.py, every request submitted at once, the target's and the
+  head's matrices on labkit.cpu_kernels), the EAGLE head as its proposer at the fixed k that was fastest at
+  batch 1 and with choose_k (the acceptance-aware policy, on costs measured here), against the same engine
+  without speculation, at a few concurrencies (stage06b.sweep: its outputs must equal the target's greedy);
+- the head's training report (labkit/assets/smollm2-eagle/config.json, written by labkit.train_eagle): the
+  corpus and its generation time, the learning curve and the EAGLE-1 / EAGLE-3 recipes, copied as measured.
 
 Hugging Face's assisted generation cannot take this draft: transformers 5.23's candidate generators
 take a standalone causal LM (`assistant_model`), the model's own MTP layers (`num_mtp_layers` in its
@@ -40,6 +45,7 @@ over k + 1 tokens sums in another order than a one-token step, so a near-tie may
 
 import contextlib
 import dataclasses
+import json
 
 import torch
 
@@ -48,6 +54,7 @@ from labkit.bench import floors
 from labkit.checkpoint import load_tokenizer, require_real_model
 from labkit.device import pin_threads
 from labkit.fast_decode import StaticDecoder
+from labkit.fast_paged import accelerate
 from labkit.fast_verify import StaticVerifier
 from labkit.impl import current, load
 from labkit.testing import real_labkit
@@ -55,7 +62,7 @@ from labkit.train import SMOLLM2_MEDUSA
 
 from .stage06b import crossover, sweep
 
-K = 4
+K = 4  # the longest chain timed; every k from 1 to K runs
 ENGINE_CONCURRENCY = [1, 2, 4]
 
 
@@ -136,7 +143,9 @@ def setup(n_prompts: int, new: int) -> Setup:
     eg = load("stage06_speculative.eagle")
     folder = require_real_model()
     target, tok = real_labkit(), load_tokenizer(folder)
-    heads = {"EAGLE": eagle.load(eagle.REAL_EAGLE, target), "EAGLE, full LM head": eagle.load(eagle.REAL_EAGLE, target, full_vocab=True)}  # fmt: skip
+    head = eagle.load(eagle.REAL_EAGLE, target)
+    heads = {"EAGLE": eagle.packed(head), "EAGLE, eager draft": head,  # its matrices on the float32 loop, or not
+             "EAGLE, full LM head": eagle.packed(eagle.load(eagle.REAL_EAGLE, target, full_vocab=True))}  # fmt: skip
     prompts = [tok.encode(p).ids for p in eagle_data.prompts(n_prompts, heldout=True)]
     # one cache for the plain decode and EAGLE's verification: a prompt, its tokens and k + 1 drafts; 96 + k + 1
     # for the cost timings
@@ -163,9 +172,8 @@ def variants(s: Setup):
 
         return fn
 
-    runs = {f"{name}, k={K}": (head, K, True) for name, head in s.heads.items()}
-    runs[f"EAGLE, k={K}, eager verify"] = (s.heads["EAGLE"], K, False)
-    runs["EAGLE, k=2"] = (s.heads["EAGLE"], 2, True)  # fewer drafts: where acceptance is low, a cheaper round
+    runs = {f"EAGLE, k={k}": (s.heads["EAGLE"], k, True) for k in range(1, K + 1)}
+    runs |= {f"{name}, k={K}": (head, K, True) for name, head in s.heads.items() if name != "EAGLE"}
     outputs = {name: [] for name in runs}
 
     def timed(name):
@@ -209,10 +217,14 @@ def step_costs(s: Setup, quick: bool) -> dict:
 
     cache.truncate(0)
     target(torch.ones(1, 96, dtype=torch.long), cache)
+
+    def verify(T):
+        return lambda: (s.verifier(torch.ones(1, T, dtype=torch.long)), cache.truncate(96))
+
     return bench.interleaved(
         {"target step, compiled": compiled_step, "target step, eager": bench.decode_step(target, 96, 1),
          f"verify {K + 1} tokens, eager": bench.decode_step(target, 96, K + 1),
-         f"verify {K + 1} tokens, compiled": lambda: (s.verifier(torch.ones(1, K + 1, dtype=torch.long)), cache.truncate(96)),
+         **{f"verify {k + 1} tokens, compiled": verify(k + 1) for k in range(1, K + 1)},
          **{f"draft step, {name}": draft_step(eg, head) for name, head in s.heads.items()}},
         10 if quick else 30, warmup=3,
     )  # fmt: skip
@@ -253,20 +265,43 @@ def decoder_rows(s: Setup, fns, runs, rounds, outputs, medusa_runs, times) -> li
     return rows
 
 
-def engine_rows(s: Setup, quick: bool) -> list[dict]:
-    """The EAGLE head inside stage 06's batching engine (stage06b.sweep), or one row with the error when a
-    near-tie made an engine's tokens differ from the eager model's."""
+def engine_rows(s: Setup, quick: bool, k: int) -> list[dict]:
+    """The EAGLE head inside stage 06's batching engine (stage06b.sweep) at fixed k and choose_k up to K, the
+    target's and the head's matrices on labkit.cpu_kernels (fast_paged.accelerate), or one row with the error
+    when a near-tie made an engine's tokens differ from the (same kernels') eager model's."""
     eng = load("stage06_speculative.batch_engine")
+    target, head = accelerate(s.target), s.heads["EAGLE"]
     engine_prompts = [s.tok.encode(p).ids for p in eagle_data.prompts(max(ENGINE_CONCURRENCY), heldout=True)]
-    engine_costs = eng.Costs.measure(s.target, s.heads["EAGLE"], ENGINE_CONCURRENCY, k_max=K)
+    engine_costs = eng.Costs.measure(target, head, ENGINE_CONCURRENCY, k_max=K)
     try:  # sweep checks every engine's tokens against the eager model's greedy decoding
-        rows = sweep(s.target, s.heads["EAGLE"], engine_prompts, 16 if quick else 24, ENGINE_CONCURRENCY, K,
-                     engine_costs, repeats=1, k_max=K, warmup=0)  # fmt: skip
-        bench.show(rows, f"EAGLE inside the batching engine, k = {K} fixed or choose_k up to {K}")
+        rows = sweep(target, head, engine_prompts, 16 if quick else 32, ENGINE_CONCURRENCY, k, engine_costs,
+                     repeats=1 if quick else 3, k_max=K, warmup=0)  # fmt: skip
+        bench.show(rows, f"EAGLE inside the batching engine, k = {k} fixed or choose_k up to {K}")
     except AssertionError as e:  # a near-tie the k + 1-token verification rounds the other way: say so, keep the rest
         rows = [{"error": str(e)}]
         print("engine sweep:", e)
     return rows
+
+
+def break_even(rows: list[dict], costs: dict) -> dict:
+    """Per k: accepted drafts per verification (n), the verification's cost v and k draft steps (c each) in
+    compiled target steps, the predicted speedup (1 + n) / (v + k c), the measured one, and the n that 1.3x
+    would need at those costs."""
+    c, out = costs["draft step, EAGLE"], {}
+    for r in rows:
+        if r["decoder"].startswith("EAGLE, k="):
+            k = int(r["decoder"].removeprefix("EAGLE, k="))
+            v, n = costs[f"verify {k + 1} tokens, compiled"], r["accepted_per_verify"]
+            out[k] = {"accepted": n, "verify": v, "draft": c, "predicted_speedup": round((1 + n) / (v + k * c), 3),
+                      "measured_speedup": round(r["speedup"], 3), "accepted_for_1.3x": round(1.3 * (v + k * c) - 1, 3)}  # fmt: skip
+    return out
+
+
+def training_report() -> dict:
+    """What the shipped head's training measured (labkit.train_eagle): corpus, learning curve, recipes."""
+    report = json.loads((eagle.REAL_EAGLE / "config.json").read_text())
+    keys = ("data", "recipe", "steps", "batch", "train_seconds", "heldout", "learning_curve", "recipes")
+    return {key: report[key] for key in keys if key in report}
 
 
 @torch.inference_mode()
@@ -282,7 +317,9 @@ def main(quick: bool = False) -> bench.Result:
     unit = costs["target step, compiled"].median
     rows = decoder_rows(s, fns, runs, rounds, outputs, medusa_runs, times)
     cost_rows = {name: round(t.median / unit, 3) for name, t in costs.items()}
-    engine = engine_rows(s, quick)
+    best = max((r for r in rows if r["decoder"].startswith("EAGLE, k=")), key=lambda r: r["speedup"])
+    best_k = int(best["decoder"].removeprefix("EAGLE, k="))
+    engine = engine_rows(s, quick, best_k)
     title = (
         f"stage 06b EAGLE: SmolLM2-135M-Instruct, head {eagle.REAL_EAGLE.name} "
         f"(vocab {len(s.heads['EAGLE'].vocab)}), {len(s.prompts)} held-out prompts x {new} tokens, greedy, "
@@ -290,15 +327,16 @@ def main(quick: bool = False) -> bench.Result:
     )
     bench.show(rows, title)
     print(
-        "costs in compiled target steps ("
-        + f"{unit * 1e3:.1f} ms): "
-        + ", ".join(f"{n} {c}" for n, c in cost_rows.items())
+        f"costs in compiled target steps ({unit * 1e3:.1f} ms): " + ", ".join(f"{n} {c}" for n, c in cost_rows.items())
     )
-    figures = {"prompts": len(s.prompts), "new_tokens": new, "repeats": repeats, "k": K,
+    ok = "error" not in engine[0]
+    figures = {"prompts": len(s.prompts), "new_tokens": new, "repeats": repeats, "k": K, "best_k": best_k,
                "target_step_compiled_s": unit, "costs_in_compiled_target_steps": cost_rows,
-               "head_vocab": len(s.heads["EAGLE"].vocab), "engine": engine, **floors.figures(),
-               "engine_crossover_fixed_k": crossover(engine) if "error" not in engine[0] else None,
-               "engine_crossover_adaptive": crossover(engine, "adaptive_speedup") if "error" not in engine[0] else None}  # fmt: skip
+               "break_even": break_even(rows, cost_rows), "head_vocab": len(s.heads["EAGLE"].vocab),
+               "engine_k": best_k, "engine": engine, **floors.figures(),
+               "engine_crossover_fixed_k": crossover(engine) if ok else None,
+               "engine_crossover_adaptive": crossover(engine, "adaptive_speedup") if ok else None,
+               "training": training_report()}  # fmt: skip
     return bench.Result(rows, figures, _plot(rows))
 
 
