@@ -1,13 +1,13 @@
 """A compiled multi-token step for speculative verification, built on labkit.fast_decode's weight snapshot.
 
 Verifying k drafts runs the target over k + 1 positions at once. The eager model spends such a step
-mostly in dispatch (as it does a one-token step), so an eager verification of 5 tokens measured 2.2
-compiled one-token steps on SmolLM2 (one thread): a speculative decoder timed that way against the
+mostly in dispatch (as it does a one-token step), so an eager verification of 5 tokens measured 4.37
+compiled one-token steps on SmolLM2 (one thread, the cpp loop): a speculative decoder timed that way against the
 compiled plain decode pays for the compiler it does not use. This step is StaticDecoder's, with the
 one-token shapes widened to T: positions pos .. pos + T - 1 as a tensor, a causal mask over the
 fixed window, the T new keys written in place. It compiles once per (T, window) and returns the
-final normed hidden states beside the logits, since EAGLE's draft reads them. Compiled, 5 tokens
-measured 1.53 one-token compiled steps (bench_results/stage06b_eagle.json).
+final normed hidden states beside the logits, since EAGLE's draft reads them. Compiled on the cpp loop
+(kernels="cpp"), 2 tokens measured 1.05 one-token compiled steps and 5 tokens 1.36 (bench_results/stage06b_eagle.json).
 
 Its matrices are stored (out, in) and multiplied as W @ x^T: for 5 rows of x, PyTorch's CPU GEMM
 measured 1.7x a one-row product that way against 2.9x as x @ W with W (in, out), the one-row step's
