@@ -87,6 +87,16 @@ def test_stage06_lab4_quotes_the_eagle_learning_curve():
     assert curve[-1]["heldout"] == report["heldout"], "the curve's last point is the shipped head"
 
 
+def test_stage06_lab4_quotes_eagle3_against_the_shipped_recipe():
+    text, report = " ".join(handout("stage06_speculative/lab4.ipynb").split()), json.loads(EAGLE.read_text())
+    recipes = report["recipes"]
+    if "eagle3" not in recipes:
+        return  # not trained yet: the handout quotes no EAGLE-3 figure
+    m = quoted(text, r"accepts (\d\.\d+) against the shipped recipe's (\d\.\d+) on all of the answers")
+    want = [recipes["eagle3"]["heldout"]["accepted_per_verification"], report["heldout"]["accepted_per_verification"]]
+    check(m.groups(), want, "EAGLE-3 against the shipped recipe")
+
+
 def test_stage06_lab4_says_eagle_beats_medusa_and_it_does():
     text = handout("stage06_speculative/lab4.ipynb")
     quoted(text, r"EAGLE accepting more drafts per verification than Medusa, and its first draft more often")
