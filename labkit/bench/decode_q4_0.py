@@ -32,7 +32,7 @@ from labkit.bench.decode import (
     round_robin,
 )
 from labkit.bench.llamacpp_worker import Worker, build_info, describe_gguf, gguf_files, kl_per_token
-from labkit.checkpoint import require_real_model
+from labkit.checkpoint import load_tokenizer, require_real_model
 from labkit.device import pin_threads
 from labkit.fast_decode import StaticDecoder
 from labkit.model import from_pretrained
@@ -61,7 +61,7 @@ def main(quick: bool = False) -> bench.Result:
     n = max(CONTEXTS) + 1
     decoders = {w: StaticDecoder(model, model.new_cache(1, n), "compile", window=n, weights=w, kernels="cpp")
                 for w in ("q4_0", "int4")}  # fmt: skip
-    prompt = bench.tokenizer().encode(PROMPT).ids
+    prompt = load_tokenizer(folder).encode(PROMPT).ids  # SmolLM2's, whatever $MODEL says
     checks = {w: greedy_check(model, d, prompt, w) for w, d in decoders.items()}
     fill(model, decoders, max(CONTEXTS))
     figures = {"model": "SmolLM2-135M-Instruct", "threads": 1, "contexts": list(CONTEXTS), "llamacpp_build": build_info(),
