@@ -197,6 +197,10 @@ def test_a_layer_that_cannot_fuse_runs_its_modules(ops):
     layer = fast.model.layers[0]
     x, cos, sin = torch.randn(2, 64), fast.rope_cos[:2, None], fast.rope_sin[:2, None]
     assert layer.fused.qkv(x, cos, sin) is not None
+    hook = layer.mlp.down_proj.register_forward_hook(lambda *_: None)  # a hook must see its module run
+    assert layer.fused.out(x, torch.randn(2, 4, 16)) is None, "a hooked module is bypassed"
+    hook.remove()
+    assert layer.fused.out(x, torch.randn(2, 4, 16)) is not None
     layer.self_attn.k_proj = nn.Sequential(layer.self_attn.k_proj)
     assert layer.fused.qkv(x, cos, sin) is None and layer.fused.out(x, torch.randn(2, 4, 16)) is None
 
