@@ -208,6 +208,11 @@ class FusedLayer:
                 and type(layer.input_layernorm) is type(layer.post_attention_layernorm) is RMSNorm
                 and not c.qk_norm and bool(stacked_whole))  # fmt: skip
 
+    @property
+    def row_invariant(self) -> bool:
+        """Whether every pass takes the C++ calls (PackedLinear.row_invariant), each row summed in one order there."""
+        return self.linears[0].row_invariant
+
     def _applies(self, rows: int) -> bool:
         lin = self.linears[0]
         if lin.quantization is None and rows > lin.max_rows:

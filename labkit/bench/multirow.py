@@ -27,6 +27,8 @@ from labkit.fast_paged import PackedLinear, accelerate
 from labkit.model import from_pretrained
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 24, 32, 64, 128)  # past fast_paged.CPP_MAX_ROWS the engine takes the GEMM
+# the engine's --quantization choices: Q8_0 and Q4_0 with rows interleaved in eights, Q4_1 one row a pass
+QUANTIZED = ("q8_0", "q4_0", "q4_1")
 
 
 def linears(model, quantization=None) -> list[PackedLinear]:
@@ -68,9 +70,10 @@ def bitwise(layers) -> bool:
 
 def main(quick: bool = False) -> bench.Result:
     model = from_pretrained(require_real_model()).eval()
-    layers = {q or "f32": linears(model, q) for q in (None, "q8_0", "q4_1")}
+    layers = {q or "f32": linears(model, q) for q in (None, *QUANTIZED)}
+    # bytes per 32 weights: 128 float32; Q8_0 32 codes and a float16 scale; Q4_0 16 and one; Q4_1 16 and two
     weight_bytes = {"f32": floors.weight_bytes(model), "q8_0": floors.weight_bytes(model) * 34 / 128,
-                    "q4_1": floors.weight_bytes(model) * 20 / 128}  # fmt: skip
+                    "q4_0": floors.weight_bytes(model) * 18 / 128, "q4_1": floors.weight_bytes(model) * 20 / 128}  # fmt: skip
     # 2 FLOPs per weight per row; the embedding is the tied LM head, counted once, as the bytes
     flops_per_row = 2 * sum(lay.weight.numel() for lay in layers["f32"])
     figures = {"model": "SmolLM2-135M-Instruct", "flops_per_row": flops_per_row, "bitwise": bitwise(layers["f32"])}
@@ -85,7 +88,7 @@ def main(quick: bool = False) -> bench.Result:
                                                     lambda lay, x: F.linear(x, lay.weight))}  # fmt: skip
                 if b in (1, 4, 8):
                     fns.update({f"cpp {q}": all_layers(layers[q], inputs(layers[q], b), kernel)
-                                for q in ("q8_0", "q4_1")})  # fmt: skip
+                                for q in QUANTIZED})  # fmt: skip
                 for name, t in bench.interleaved(fns, repeats=repeats, warmup=2).items():
                     w = weight_bytes[name.split()[-1]] if name.split()[-1] in weight_bytes else weight_bytes["f32"]
                     rows.append({"threads": threads, "rows": b, "variant": name, "ms": round(t.median * 1e3, 2),

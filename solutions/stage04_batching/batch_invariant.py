@@ -140,21 +140,31 @@ def forward_invariant(
     cos, sin = model.rope_cos[positions, None], model.rope_sin[positions, None]  # (N, 1, head_dim)
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        h = layer.input_layernorm(x)
-        q = _linear(attn.q_proj, h).view(N, c.num_attention_heads, c.head_dim)
-        k = _linear(attn.k_proj, h).view(N, c.num_key_value_heads, c.head_dim)
-        v = _linear(attn.v_proj, h).view(N, c.num_key_value_heads, c.head_dim)
-        q, k = attn.norm_qk(q, k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # fast_paged's two C++ calls a layer, where every pass takes them: norms, RoPE and SwiGLU row by row
+        # there too, so a row's bits are its own, and the step costs what the default engine's does
+        fused = getattr(layer, "fused", None)
+        fused = fused if fused is not None and fused.row_invariant else None
+        qkv = fused and fused.qkv(x, cos, sin)
+        if qkv is None:
+            h = layer.input_layernorm(x)
+            q = _linear(attn.q_proj, h).view(N, c.num_attention_heads, c.head_dim)
+            k = _linear(attn.k_proj, h).view(N, c.num_key_value_heads, c.head_dim)
+            v = _linear(attn.v_proj, h).view(N, c.num_key_value_heads, c.head_dim)
+            q, k = attn.norm_qk(q, k)
+            qkv = apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        q, k, v = qkv
         cache.write(i, k, v, slots)
         y = split_kv_attention(q, cache.k[i], cache.v[i], block_tables, context_lens, query_lens)
-        x = x + _linear(attn.o_proj, y.reshape(N, -1))
-        h = layer.post_attention_layernorm(x)
-        gate = _linear(mlp.gate_proj, h)
-        # SiLU written out: F.silu's vectorized and scalar loops round differently (lab4 §1), and which one a
-        # row's last elements take depends on where the tensor ends; exp, division and products do not.
-        act = gate / (1 + torch.exp(-gate)) * _linear(mlp.up_proj, h)
-        x = x + _linear(mlp.down_proj, act)
+        out = fused and fused.out(x, y)
+        if out is None:
+            x = x + _linear(attn.o_proj, y.reshape(N, -1))
+            h = layer.post_attention_layernorm(x)
+            gate = _linear(mlp.gate_proj, h)
+            # SiLU written out: F.silu's vectorized and scalar loops round differently (lab4 §1), and which one a
+            # row's last elements take depends on where the tensor ends; exp, division and products do not.
+            act = gate / (1 + torch.exp(-gate)) * _linear(mlp.up_proj, h)
+            out = x + _linear(mlp.down_proj, act)
+        x = out
     if keep is not None:
         x = x[keep]
     elif N > len(query_lens):
