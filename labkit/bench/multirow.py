@@ -90,10 +90,13 @@ def main(quick: bool = False) -> bench.Result:
                     fns.update({f"cpp {q}": all_layers(layers[q], inputs(layers[q], b), kernel)
                                 for q in QUANTIZED})  # fmt: skip
                 for name, t in bench.interleaved(fns, repeats=repeats, warmup=2).items():
-                    w = weight_bytes[name.split()[-1]] if name.split()[-1] in weight_bytes else weight_bytes["f32"]
+                    fmt = name.split()[-1] if name.split()[-1] in weight_bytes else "f32"
+                    # the integer loops' byte products are not float32 multiply-adds: the GEMM rate bounds
+                    # neither them nor their floor, which counts their bytes alone
+                    flops = b * flops_per_row if fmt == "f32" else 0
                     rows.append({"threads": threads, "rows": b, "variant": name, "ms": round(t.median * 1e3, 2),
                                  "min ms": round(t.min * 1e3, 2),
-                                 **floors.row(t.median, bytes=w, flops=b * flops_per_row)})  # fmt: skip
+                                 **floors.row(t.median, bytes=weight_bytes[fmt], flops=flops)})  # fmt: skip
     for r in rows:  # the cost of B rows against one row, same variant, same threads
         one = next(o for o in rows if (o["threads"], o["variant"], o["rows"]) == (r["threads"], r["variant"], 1))
         r["vs 1 row"] = round(r["ms"] / one["ms"], 2)
