@@ -547,7 +547,7 @@ double stream_read(const at::Tensor& x) {
 }
 
 // ---- A decoder layer around its attention, for an engine's decode steps (fast_paged.FusedLayer) ----
-// Eager PyTorch spent ~4 ms of a 25 ms SmolLM2 step (two threads, serve.json) on ~60 small ops a layer (norms, RoPE,
+// Eager PyTorch spent ~9 ms of a 25 ms SmolLM2 step (two threads, serve.json) on ~60 small ops a layer (norms, RoPE,
 // SwiGLU, residuals, the linear layers' reshapes) between the matrix loops; here a layer is two calls, with
 // the paged attention (the learner's) between them.
 

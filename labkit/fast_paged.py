@@ -19,7 +19,7 @@ runs exactly as before, so a learner's finished engine gets the same speed.
 - A plain Llama layer (no biases, no q/k norm) also gets a FusedLayer: the work on either side of the paged
   attention in one C++ call each, q/k/v and gate/up stacked into one packing (stage 04's forward_paged
   calls it; the layer's modules stay, for everything else). On SmolLM2 it took a one-chat decode step from
-  24.9 to 20.5 ms (float32) and 16.1 to 9.3 ms (q8_0), two threads (bench_results/serve.json's step_breakdown).
+  25.4 to 16.2 ms (float32) and 16.1 to 9.9 ms (q8_0), two threads (bench_results/serve.json's step_breakdown).
 - The per-row summation order of every loop depends on neither the number of rows nor the thread split,
   so a row gets the same bits in any batch that takes the same path; with max_rows=math.inf every pass
   takes it (row_invariant), which is how stage 04's batch-invariant mode runs on the kernels.
@@ -183,7 +183,7 @@ class FusedLayer:
     input norm, the stacked q/k/v product, RoPE; layer_out: o_proj, residual, norm, the stacked gate/up product,
     SwiGLU, down_proj, residual), for stage 04's forward_paged, which runs the paged attention between them.
 
-    The ~60 small eager ops a layer these replace cost a sixth of SmolLM2's float32 step (24.9 against 20.5 ms).
+    The ~60 small eager ops a layer these replace cost a third of SmolLM2's float32 step (25.4 against 16.2 ms).
     Only a plain Llama layer fuses (no biases, no Qwen3 q/k norm); a call returns None, and forward_paged runs
     the layer's modules, where the modules were swapped since (stage 04's LoRA wraps them) or where a float32
     pass has more than max_rows rows (the GEMM, where eager ops cost little beside the matrix work)."""
