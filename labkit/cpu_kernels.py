@@ -27,8 +27,8 @@ module writes it, as llama.cpp's CPU backend does (ggml's vec_dot_q8_0_q8_0 and 
   broadcast of four x codes meets eight rows in one byte multiply-add (vpdpbusd with AVX512-VNNI) whose
   eight int32 lanes are the eight rows, so no horizontal sums; on SmolLM2's LM head, one thread, 0.5 ms
   against Q4_1's 1.5. pack_q8_0x8 lays Q8_0 out the same way for the engine (q8_0x8_matvec: the codes stored + 128
-  against x's, 128 * sum(x) per block taken off): 8 rows through all of SmolLM2's matrices cost 2.2x one
-  row, against 6.3x for Q4_1 one row a pass (bench multirow, one thread);
+  against x's, 128 * sum(x) per block taken off): 4 rows through all of SmolLM2's matrices cost 1.3x one
+  row, against 3.4x for Q4_1 one row a pass (bench multirow, one thread);
 - Q8_0 (StaticDecoder's) and Q4_1 one row per pass, its blocks on four accumulators (with one, each block's multiply-add
   waited on the last), their block scales converted as they stream in (four rows a pass measured slower
   for both: 2.2x on the LM head for Q8_0, 1.4x over SmolLM2's matrices for Q4_1);

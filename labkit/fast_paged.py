@@ -39,7 +39,7 @@ from .model import MLP, Llama, RMSNorm
 KERNELS = ("cpp", "torch")
 QUANTIZATIONS = ("q8_0", "q4_0", "q4_1")  # GGUF's names for the int8 and 4-bit blocks cpu_kernels reads
 # each format's loop; Q8_0 and Q4_0 with their rows interleaved in eights, which serve several x rows a load:
-# 8 rows through all of SmolLM2's matrices cost 2.2x one row in Q8_0, 6.3x in Q4_1 (bench multirow, one thread)
+# 4 rows through all of SmolLM2's matrices cost 1.3x one row in Q8_0, 3.4x in Q4_1 (bench multirow, one thread)
 OPS = {None: "f32_matvec", "q8_0": "q8_0x8_matvec", "q4_0": "q4_0_matvec", "q4_1": "q4_1_matvec"}
 CPP_MAX_ROWS = 128  # passes of more rows take PyTorch's GEMM (float32); bench multirow: the kernel ahead to 128
 _PACKED: dict[int, dict] = {}  # id(weight) -> {(quantization, its version): packed}, while the weight lives
