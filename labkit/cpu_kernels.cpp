@@ -182,7 +182,7 @@ static inline __m256i q4_0_block(const uint8_t* blk, const int8_t* xq, int32_t s
 // the broadcasts of x, measured slower: 7.0 against 4.0 ms for SmolLM2's layers, one thread)
 constexpr int Q4_0_ROWS = 4;
 // Past one row of x, 16 blocks ahead (2 kB) prefetched on the first pass over a group (later passes find it in L1):
-// 8 rows through SmolLM2's matrices 6.6-6.8 against 7.9 ms at two threads; one row is as fast without it
+// 8 rows through SmolLM2's matrices 6.8 against 7.9 ms at two threads; one row is as fast without it
 constexpr int Q4_0_PREFETCH = 2048;
 static void q4_0_group(const uint8_t* wp, const uint16_t* sp, int64_t g, int64_t nb, const int8_t* q, const float* dx,
                        const int32_t* sum8, int64_t n, int64_t B, float* yp, int64_t out) {
@@ -269,7 +269,7 @@ static inline __m256i q8_0x8_block(const uint8_t* blk, const int8_t* xs) {
   return _mm256_add_epi32(s0, s1);
 }
 
-// Past one row of x, 16 blocks ahead (4 kB) prefetched: 8 rows through SmolLM2's matrices 7.3-9.1 against
+// Past one row of x, 16 blocks ahead (4 kB) prefetched: 8 rows through SmolLM2's matrices 7.4-9.1 against
 // 8.0-11.2 ms at two threads, 13.6 against 17.0 at one (1 kB ahead gained half of that); one row is as fast without it
 constexpr int Q8_0X8_PREFETCH = 4096;
 at::Tensor q8_0x8_matvec(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales) {
