@@ -78,6 +78,43 @@ HOWTO = (
     "prepare for an exam, make new friends, grow tomatoes, stay focused while studying, plan a trip"
 ).split(", ")
 HELDOUT_HOWTO = ["train a puppy", "bake bread at home"]
+# Past the first NARROW prompts, the corpus widens: one template in ten takes two subjects, so once the lists above
+# run out of single-subject prompts, more prompts from them would be mostly comparisons. The first NARROW stay
+# as they were, so the answers already generated for them stay valid.
+NARROW = 1536
+WIDE_TEMPLATES = [
+    "What would happen if there were no {s}?",
+    "Write a short dialogue between two friends about {s}.",
+    "What careers involve {s}?",
+    "Explain how {s} works, step by step.",
+    "What are the biggest challenges related to {s}?",
+    "Write a limerick about {s}.",
+    "Give me a fun fact about {s} and explain why it is true.",
+    "How has {s} changed over the last hundred years?",
+    "Write an encouraging note to someone who is learning about {s}.",
+    "What should a beginner read first to understand {s}?",
+]
+WIDE_SUBJECTS = (
+    "rivers, mountains, forests, lakes, islands, caves, thunderstorms, hurricanes, the wind, fire, soil, "
+    "butterflies, ants, spiders, frogs, sharks, octopuses, horses, wolves, bears, parrots, trees, flowers, "
+    "mushrooms, seeds, apples, cheese, soup, spices, pizza, the kitchen, the Vikings, ancient Greece, the Middle "
+    "Ages, the Renaissance, castles, pyramids, the wheel, the compass, clocks, maps, newspapers, radio, "
+    "television, cameras, video games, email, passwords, the cloud, databases, spreadsheets, 3D printing, "
+    "electric cars, rockets, satellites, the International Space Station, Jupiter, comets, the speed of light, "
+    "atoms, magnetism, sound, light, heat, friction, chemistry, geometry, statistics, probability, algebra, "
+    "economics, taxes, budgeting, the stock market, voting, laws, courts, history books, museums, theater, "
+    "dance, the guitar, drums, opera, swimming, tennis, basketball, hiking, camping, board games, puzzles, "
+    "handwriting, public speaking, teamwork, leadership, patience, habits, memory, emotions, exercise, nutrition"
+).split(", ")
+WIDE_CODE = (
+    "counts the words in a sentence, checks if a string is a palindrome, returns the average of a list, "
+    "merges two sorted lists, finds the second largest number in a list, flattens a nested list, "
+    "counts how often each letter appears in a string, returns the n-th Fibonacci number"
+).split(", ")
+WIDE_HOWTO = (
+    "organize my desk, write a cover letter, give a short presentation, learn to swim, keep a journal, "
+    "start a small garden on a balcony, read more books, wake up earlier, learn to draw, fix a flat bicycle tire"
+).split(", ")
 
 
 def chat(text: str) -> str:
@@ -86,14 +123,19 @@ def chat(text: str) -> str:
 
 
 def prompts(n: int, heldout: bool = False, seed: int = 0) -> list[str]:
-    """n distinct chat prompts; heldout ones name subjects, code tasks and how-tos no training prompt names."""
+    """n distinct chat prompts; heldout ones name subjects, code tasks and how-tos no training prompt names.
+    Training prompts past the first NARROW also draw on the WIDE_ lists."""
     rng = random.Random(seed + (1000 if heldout else 0))
     subjects, code, howto = (HELDOUT_SUBJECTS, HELDOUT_CODE, HELDOUT_HOWTO) if heldout else (SUBJECTS, CODE, HOWTO)
+    templates = TEMPLATES
     out: dict[str, None] = {}
     while len(out) < n:
+        if not heldout and len(out) == NARROW and templates is TEMPLATES:
+            templates, subjects = TEMPLATES + WIDE_TEMPLATES, SUBJECTS + WIDE_SUBJECTS
+            code, howto = CODE + WIDE_CODE, HOWTO + WIDE_HOWTO
         if rng.random() < 0.8:
             s, t = rng.sample(subjects, 2)
-            text = rng.choice(TEMPLATES).format(s=s, t=t)
+            text = rng.choice(templates).format(s=s, t=t)
         else:
             text = rng.choice(TASKS).format(c=rng.choice(code), h=rng.choice(howto))
         out[chat(text)] = None
