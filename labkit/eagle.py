@@ -95,12 +95,14 @@ def attach(target: Llama, vocab: torch.Tensor, seed: int = 0) -> EagleHead:
     return head.to(dtype=p.dtype, device=p.device)
 
 
-def packed(head: EagleHead) -> EagleHead:
+def packed(head: EagleHead, quantization: str | None = None) -> EagleHead:
     """A copy of `head` sharing every tensor, whose linear layers (fc, the layer's projections, the reduced LM
-    head) run labkit.cpu_kernels' float32 loop (labkit.fast_paged.PackedLinear): a draft step reads each weight
-    once at the loop's bandwidth instead of PyTorch's at one row. `head` itself where the kernels cannot build."""
+    head) run labkit.cpu_kernels' loops (labkit.fast_paged.PackedLinear): a draft step reads each weight once at
+    the loop's bandwidth instead of PyTorch's at one row. `quantization` "q8_0" stores them in Q8_0, a quarter
+    of the bytes: a draft step is memory-bound, and a draft's rounding can cost acceptance but never change what
+    the target verifies. `head` itself where the kernels cannot build."""
     from . import cpu_kernels
-    from .fast_paged import CPP_MAX_ROWS, PackedLinear
+    from .fast_paged import CPP_MAX_ROWS, PackedLinear, fits
 
     ops = cpu_kernels.ops()
     if ops is None:
@@ -108,7 +110,9 @@ def packed(head: EagleHead) -> EagleHead:
 
     def rebuilt(module: nn.Module) -> nn.Module:
         if type(module) is nn.Linear:
-            return PackedLinear(module, ops, None, CPP_MAX_ROWS)
+            if not fits(module, quantization):
+                raise ValueError(f"{module}: labkit.cpu_kernels cannot store it as {quantization}")
+            return PackedLinear(module, ops, quantization, CPP_MAX_ROWS)
         if not any(type(m) is nn.Linear for m in module.modules()):
             return module
         new = copy.copy(module)  # a shallow copy: its tensors and hooks shared, its children rebuilt

@@ -216,3 +216,30 @@ def test_stacked_packings_store_each_weight_once(ops):
         assert q.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
         assert k.data_ptr() == stacked[len(q) :].data_ptr()
         assert b.fused.qkv_group.packed[0].data_ptr() == stacked.data_ptr()
+
+
+@pytest.mark.parametrize("quantization", [None, "q8_0"])
+def test_packed_eagle_head_runs_the_kernels_and_keeps_the_heads_forward(ops, quantization):
+    """labkit.eagle.packed: every linear layer of the draft on the kernels, in the format asked, and the teacher-
+    forced forward within that format's rounding of the float head's (Q8_0 moves a feature by about 1 %), and not exactly
+    it; a shape the format cannot take (97 vocabulary rows, not whole eights) is refused, not run in float32."""
+    from labkit import eagle
+
+    model = random_labkit_llama(3, **LLAMA_CONFIGS["gqa4-3layers"], vocab_size=96)
+    head = eagle.attach(model, torch.arange(96), seed=3)
+    with torch.no_grad():
+        for p in head.layer.parameters():
+            p.normal_(0, 0.05, generator=torch.Generator().manual_seed(4))
+    fast = eagle.packed(head, quantization)
+    linears = [m for m in fast.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(isinstance(m, fast_paged.PackedLinear) and m.quantization == quantization for m in linears)
+    feats, ids = torch.randn(1, 7, model.config.hidden_size), random_tokens(5, 7, 96, 1)
+    with torch.no_grad():
+        want, got = head(feats, ids), fast(feats, ids)
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < (1e-5 if quantization is None else 0.03), f"{quantization}: the packed head is {err:.3g} off"
+    if quantization:
+        assert err > 1e-6, "Q8_0 weights gave the float head's features exactly: not quantized"
+    odd = eagle.attach(random_labkit_llama(3, **LLAMA_CONFIGS["gqa4-3layers"], vocab_size=97), torch.arange(97))
+    with pytest.raises(ValueError, match="cannot store it as q8_0"):
+        eagle.packed(odd, "q8_0")
