@@ -4,8 +4,9 @@
     python -m labkit.train --only draft
     python -m labkit.train --only medusa  # Medusa heads on the shipped target (14 min on a busy 2-core VM)
     python -m labkit.train --only lora    # the three LoRA adapters of stage 04 part 2 (2–6 min each on a busy 2-core VM)
-    python -m labkit.train --only eagle   # SmolLM2's EAGLE head and its study (needs make setup): 768 answers through stage
-                                          # 04's engine (15 min) and their features (11 min), then ~7 min a head, busy 2-core VM
+    python -m labkit.train --only eagle   # SmolLM2's EAGLE head and its study (needs make setup): 3,072 answers through
+                                          # stage 04's engine (~20 min) and their features (~10 min), the head (~26 min),
+                                          # the study's 7 more heads (~45 min); --keep-measured keeps points it holds
     python -m labkit.train --only smollm2-medusa   # SmolLM2's Medusa heads on the same answers (after --only eagle): ~10 min
 
 Writes Hugging Face folders labkit/assets/tiny-target and labkit/assets/tiny-draft (bf16 weights,
@@ -353,9 +354,10 @@ def main(argv=None):
     ap.add_argument("--lora-steps", type=int, default=60)
     ap.add_argument("--target-steps", type=int, default=300)
     ap.add_argument("--draft-steps", type=int, default=300)
-    ap.add_argument("--eagle-steps", type=int, default=600)
+    ap.add_argument("--eagle-steps", type=int, default=2400, help="the shipped EAGLE head's (the study's: fewer)")
     ap.add_argument("--medusa-steps", type=int, default=1200, help="SmolLM2's Medusa heads (--only smollm2-medusa)")
-    ap.add_argument("--eagle-shards", type=int, default=12, help="batches of 64 training prompts SmolLM2 answers")
+    ap.add_argument("--eagle-shards", type=int, default=48, help="batches of 64 training prompts SmolLM2 answers")
+    ap.add_argument("--keep-measured", action="store_true", help="the EAGLE study keeps the points its report holds")
     ap.add_argument("--threads", type=int, help="torch threads (1 trains faster on a busy machine)")
     args = ap.parse_args(argv)
     if args.threads:
@@ -369,7 +371,7 @@ def main(argv=None):
         print(json.dumps(report["medusa"], indent=2))
         return
     if args.only == "eagle":
-        report["smollm2_eagle"] = train_eagle(args.eagle_steps, args.eagle_shards)
+        report["smollm2_eagle"] = train_eagle(args.eagle_steps, args.eagle_shards, keep=args.keep_measured)
         report_file.write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps(report["smollm2_eagle"], indent=2))
         return

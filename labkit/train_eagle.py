@@ -14,10 +14,12 @@ once into EAGLE_DATA, outside the repository); fc and the head's one layer learn
   (labkit.eagle_data.FUSED_LAYERS) fused by a linear layer into the draft's feature slot, cross-entropy only
   (the draft's output need not be any feature of the target's), with the training-time test.
 
-The study (`eagle_study`) reports held-out acceptance per draft position for each recipe on all the data, and
-for the shipped recipe on 1/8, 1/4, 1/2 and all of it (the learning curve), into the shipped head's report.
+The study (`eagle_study`) reports held-out acceptance per draft position for each recipe on the first quarter of
+the data, and for the shipped recipe on 1/16, 1/8, 1/4, 1/2 and all of it (the learning curve), into the shipped
+head's report.
 """
 
+import json
 import math
 import time
 from pathlib import Path
@@ -164,14 +166,15 @@ def eagle_second_step(head: eagle.EagleHead, x1: torch.Tensor, x2: torch.Tensor)
 
 VARIANTS = ("eagle1", "eagle1+ttt", "eagle3")
 SHIPPED = "eagle1+ttt"
-CURVE = (8, 4, 2, 1)  # the learning curve: the first 1/8, 1/4, 1/2 and all of the training answers
+CURVE = (16, 8, 4, 2, 1)  # the learning curve: the first 1/16, 1/8, 1/4, 1/2 and all of the training answers
+RECIPES_PART = 4  # the recipes compare on the first quarter of the answers
 
 
 def _frozen_target_and_answers(shards: int):
     """SmolLM2 frozen, its self-distilled answers (train shards, held out) and the head vocabulary they give."""
     from .checkpoint import require_real_model
 
-    eagle_data.main([str(EAGLE_DATA), "--shards", str(shards)])  # answers only what is not there yet
+    eagle_data.main([str(EAGLE_DATA), "--train", str(64 * shards), "--shards", str(shards)])  # only what is missing
     target = from_pretrained(require_real_model()).eval()
     for p in target.parameters():
         p.requires_grad_(False)
@@ -252,9 +255,11 @@ def head_report(head: eagle.EagleHead, rows, heldout) -> dict:
             "heldout": eagle_acceptance(head, heldout)}  # fmt: skip
 
 
-def train_eagle(steps: int, shards: int, batch: int = 4, seed: int = 4, study: bool = True) -> dict:
+def train_eagle(steps: int, shards: int, batch: int = 4, seed: int = 4, study: bool = True, keep: bool = False) -> dict:
     """The shipped head (SHIPPED's recipe on every answer), saved to labkit.eagle.REAL_EAGLE with its report;
-    then, with `study`, eagle_study's figures added to that report as each finishes."""
+    then, with `study`, eagle_study's figures added to that report as each finishes. `keep`: the study keeps the
+    points the shipped report already holds for the same recipe, tokens and steps instead of training them again."""
+    kept = measured_points(eagle.REAL_EAGLE / "config.json") if keep else []
     target, rows, heldout, vocab, index_of = _frozen_target_and_answers(shards)
     n_tokens = sum(len(r[0]) for r in rows)
     print(f"eagle: {len(rows)} answers, {n_tokens} tokens, vocabulary {len(vocab)}, {steps} steps", flush=True)
@@ -269,30 +274,55 @@ def train_eagle(steps: int, shards: int, batch: int = 4, seed: int = 4, study: b
     eagle.save(head, eagle.REAL_EAGLE, report)
     if study:
         eagle_study(
-            target, rows, heldout, steps, batch, seed, report, lambda: eagle.save(head, eagle.REAL_EAGLE, report)
+            target, rows, heldout, steps, batch, seed, report, lambda: eagle.save(head, eagle.REAL_EAGLE, report), kept
         )
     return report
 
 
-def eagle_study(target, rows, heldout, steps: int, batch: int, seed: int, report: dict, save) -> None:
-    """report["recipes"]: each VARIANT on every answer (SHIPPED's is the shipped head); report["learning_curve"]:
-    SHIPPED's recipe on the first 1/n of the answers for n in CURVE, its vocabulary from those alone. Calls
-    `save` after each head, so a stopped run keeps what it measured."""
-    shipped = {"train_tokens": report["data"]["train_tokens"], "train_seconds": report["train_seconds"],
-               "first_draft_top1": report["first_draft_top1"], "heldout": report["heldout"]}  # fmt: skip
-    report["recipes"], report["learning_curve"] = {SHIPPED: shipped}, [{"fraction": "1/1", **shipped}]
-    todo = [(SHIPPED, n) for n in CURVE if n > 1] + [(v, 1) for v in ("eagle3", "eagle1")]
-    for variant, n in todo:
+def measured_points(config: Path) -> list[dict]:
+    """The study points a report already holds, each with its recipe and steps (a report whose points do not
+    say trained each for the report's own "steps")."""
+    if not config.is_file():
+        return []
+    report = json.loads(config.read_text())
+    points = [{"recipe": report.get("recipe"), **p} for p in report.get("learning_curve", [])]
+    points += [{"recipe": name, **p} for name, p in report.get("recipes", {}).items()]
+    return [{"steps": report.get("steps"), **p} for p in points]
+
+
+def eagle_study(target, rows, heldout, steps: int, batch: int, seed: int, report: dict, save, kept=()) -> None:
+    """report["learning_curve"]: SHIPPED's recipe on the first 1/n of the answers for n in CURVE, its vocabulary
+    from those alone; report["recipes"]: each VARIANT on the first 1/RECIPES_PART. A head on 1/n of the answers
+    trains steps / n steps, as many passes over them as the shipped head makes over all (a fixed number of steps
+    would overfit the small parts and underfit the large ones), so the shipped head is the curve's last point;
+    report["all_answers_at_the_quarters_steps"]: all of the answers in the quarter's steps, which shows it. A
+    point in `kept` with the same recipe, tokens and steps is copied, not trained again. Calls `save` after each
+    head, so a stopped run keeps what it measured."""
+    report["recipes"], report["learning_curve"] = {}, []
+    todo = [(SHIPPED, n, steps // n) for n in CURVE]
+    todo += [(v, RECIPES_PART, steps // RECIPES_PART) for v in VARIANTS if v != SHIPPED]
+    todo += [(SHIPPED, 1, steps // RECIPES_PART)]  # all of the answers in the quarter's steps: data needs steps
+    for variant, n, n_steps in todo:
         part = rows[: len(rows) // n]
-        vocab, index_of = eagle_vocab(part, target.config.vocab_size)
-        head, _, secs = train_head(target, part, vocab, index_of, steps, variant, batch, seed)
-        result = {"train_tokens": sum(len(r[0]) for r in part), "train_seconds": round(secs),
-                  **head_report(head, part, heldout)}  # fmt: skip
-        if n == 1:
-            report["recipes"][variant] = result
+        tokens = sum(len(r[0]) for r in part)
+        same = [p for p in kept if (p["recipe"], p["train_tokens"], p["steps"]) == (variant, tokens, n_steps)]
+        if n == 1 and variant == SHIPPED and n_steps == steps:
+            result = {"train_tokens": tokens, "train_seconds": report["train_seconds"],
+                      "first_draft_top1": report["first_draft_top1"], "heldout": report["heldout"]}  # fmt: skip
+        elif same:
+            result = {key: same[0][key] for key in ("train_tokens", "train_seconds", "first_draft_top1", "heldout")}
+            result["kept_from_an_earlier_run"] = True
         else:
+            vocab, index_of = eagle_vocab(part, target.config.vocab_size)
+            head, _, secs = train_head(target, part, vocab, index_of, n_steps, variant, batch, seed)
+            result = {"train_tokens": tokens, "train_seconds": round(secs), **head_report(head, part, heldout)}
+        result = {"steps": n_steps, **result}
+        if n_steps != steps // n:
+            report["all_answers_at_the_quarters_steps"] = result
+        elif variant == SHIPPED:
             report["learning_curve"].append({"fraction": f"1/{n}", **result})
-            report["learning_curve"].sort(key=lambda point: point["train_tokens"])
+        if n == RECIPES_PART:
+            report["recipes"][variant] = result
         print(f"eagle study: {variant} on 1/{n}: {result['heldout']}", flush=True)
         save()
 
