@@ -9,8 +9,9 @@ StaticDecoder, torch.compile, kernels="cpp": labkit.cpu_kernels' float32 loop wh
 fastest plain decode the course has; the eager model's own generate is timed beside it. EAGLE's
 verification runs the same weights and kernels compiled for k + 1 tokens (labkit.fast_verify.
 StaticVerifier, on the same cache), so both sides use the compiler and the loop (which reads each weight
-once for all k + 1 rows); the eager verification is a cost row. The draft's matrices run the same loop
-(labkit.eagle.packed: fc, the layer and the reduced LM head).
+once for all k + 1 rows); the eager verification is a cost row. The draft's matrices (fc, the layer and the
+reduced LM head) run labkit.cpu_kernels in Q8_0 (labkit.eagle.packed): a draft step is memory-bound, and the
+draft's rounding can only cost acceptance, never change a verified token; the float32 draft is timed beside it.
 All variants run interleaved in one process, medians of repeats; each row's floor is the plain decode's
 bytes (every weight once per token) at the measured bandwidth.
 
@@ -21,8 +22,11 @@ bytes (every weight once per token) at the measured bandwidth.
   eager) and a verification over k + 1 tokens for each k, in units of one plain target step, which is what
   decides whether the accepted tokens pay: speedup ~ (accepted + 1) / (verify + k * draft) in those units
   (figures["break_even"]: that prediction per k beside the measured speedup, and the acceptance 1.3x needs);
-- EAGLE at k = 1 .. K, the eager draft and the whole 49,152-token LM head at k = K, for what the packed
-  draft and the reduced vocabulary buy;
+- the prefills alone (each prompt's eager forward, which every decoder runs first), timed beside them: a
+  row's "speedup" is wall clock, prefill included; its "decode_speedup" takes the prefill out of both sides,
+  which is what the prediction above describes;
+- EAGLE at k = 1 .. K; at k = K the float32 draft, the eager draft and the whole 49,152-token LM head, for
+  what the Q8_0 draft, the packed loop and the reduced vocabulary buy;
 - Medusa heads trained on the same answers (labkit/assets/smollm2-medusa, `python -m labkit.train --only
   smollm2-medusa`), as a chain of 4 and as stage 06's tree, through the stage's medusa_generate (eager
   verification);
@@ -63,11 +67,14 @@ from labkit.train import SMOLLM2_MEDUSA
 from .stage06b import crossover, sweep
 
 K = 4  # the longest chain timed; every k from 1 to K runs
+PREFILL = "the prefills alone"  # timed beside the decoders: each runs the same eager prefill per prompt
+DRAFT_QUANTIZATION = "q8_0"  # the draft's matrices (eagle.packed): a draft step reads a quarter of the bytes
 ENGINE_CONCURRENCY = [1, 2, 4]
 
 
 def compiled_greedy(target, max_len: int):
-    """prompt, n -> n greedy tokens: the eager prefill, then compiled one-token steps, one cache reused."""
+    """prompt, n -> n greedy tokens: the eager prefill, then compiled one-token steps, one cache reused (n = 1:
+    the prefill alone, which every decoder here runs the same way)."""
     cache = target.new_cache(1, max_len)
     decoder = StaticDecoder(target, cache, "compile", kernels="cpp")
 
@@ -83,13 +90,13 @@ def compiled_greedy(target, max_len: int):
 
 @contextlib.contextmanager
 def compiled_verification(eg, target, cache, verifier: StaticVerifier, k: int):
-    """Inside: eagle_generate's target cache is `cache` (rewound), and its target forwards of k + 1 tokens on it
-    (the verifications) run `verifier`; the others (the prefill, the last rounds' shorter ones) stay eager,
-    so that one compiled shape serves every full round."""
+    """Inside: eagle_generate's target cache is `cache` (rewound), and its target forwards of up to k + 1 tokens on
+    it (the verifications, the last rounds' shorter ones included) run `verifier`, compiled once per length; the
+    prefill stays eager, as the plain decode's does."""
     eager_forward, new_cache = eg.target_forward, target.new_cache
 
     def target_forward(model, c, ids):
-        if c is not cache or len(ids) != k + 1:
+        if c is not cache or len(ids) > k + 1:
             return eager_forward(model, c, ids)
         feats, logits = verifier(torch.tensor([ids]))
         return feats[0], logits[0].float()
@@ -144,8 +151,9 @@ def setup(n_prompts: int, new: int) -> Setup:
     folder = require_real_model()
     target, tok = real_labkit(), load_tokenizer(folder)
     head = eagle.load(eagle.REAL_EAGLE, target)
-    heads = {"EAGLE": eagle.packed(head), "EAGLE, eager draft": head,  # its matrices on the float32 loop, or not
-             "EAGLE, full LM head": eagle.packed(eagle.load(eagle.REAL_EAGLE, target, full_vocab=True))}  # fmt: skip
+    full = eagle.load(eagle.REAL_EAGLE, target, full_vocab=True)
+    heads = {"EAGLE": eagle.packed(head, DRAFT_QUANTIZATION), "EAGLE, float32 draft": eagle.packed(head),
+             "EAGLE, eager draft": head, "EAGLE, full LM head": eagle.packed(full, DRAFT_QUANTIZATION)}  # fmt: skip
     prompts = [tok.encode(p).ids for p in eagle_data.prompts(n_prompts, heldout=True)]
     # one cache for the plain decode and EAGLE's verification: a prompt, its tokens and k + 1 drafts; 96 + k + 1
     # for the cost timings
@@ -190,6 +198,7 @@ def variants(s: Setup):
         return go
 
     fns = {"plain, compiled step": lambda: [s.plain(p, new) for p in prompts]}
+    fns[PREFILL] = lambda: [s.plain(p, 1) for p in prompts]
     fns["plain, eager model"] = lambda: [target.generate(p, new, stop_at_eos=False) for p in prompts]
     fns |= {name: timed(name) for name in runs}
     medusa_runs = {}  # Medusa heads on the same data (python -m labkit.train --only smollm2-medusa), eager verify
@@ -234,7 +243,11 @@ def decoder_rows(s: Setup, fns, runs, rounds, outputs, medusa_runs, times) -> li
     """One row a decoder: its acceptance, how many prompts it decoded exactly as the compiled baseline, its
     time and speedup, and its floor (the plain decode's bytes)."""
     prompts, reference = s.prompts, s.reference
-    base = times["plain, compiled step"].median
+    base, prefill = times["plain, compiled step"].median, times[PREFILL].median
+
+    def decode_speedup(t: float) -> float:  # the prefill every decoder shares taken out of both sides
+        return (base - prefill) / (t - prefill)
+
     medusa_accepted = {}
     context = max(len(p) for p in prompts) + s.new // 2  # a step's mean context, for the bytes it must read
     floor_bytes = len(prompts) * s.new * floors.decode_bytes(s.target, context)
@@ -246,7 +259,8 @@ def decoder_rows(s: Setup, fns, runs, rounds, outputs, medusa_runs, times) -> li
     rows = [{"decoder": name, "accepted_per_verify": medusa_accepted.get(name), "acceptance_per_position": None,
              "identical_prompts": f"{sum(o == r for o, r in zip(outputs.get(name, reference), reference, strict=True))}/{len(prompts)}",
              "seconds": times[name].median, "speedup": base / times[name].median,
-             **floors.row(times[name].median, bytes=floor_bytes)} for name in fns if name not in runs]  # fmt: skip
+             "decode_speedup": decode_speedup(times[name].median),
+             **floors.row(times[name].median, bytes=floor_bytes)} for name in fns if name not in runs and name != PREFILL]  # fmt: skip
     for name, (_, k, _) in runs.items():
         r = rounds[name]
         per_position = []
@@ -260,6 +274,7 @@ def decoder_rows(s: Setup, fns, runs, rounds, outputs, medusa_runs, times) -> li
             "identical_prompts": f"{sum(o == ref for o, ref in zip(outputs[name], reference, strict=True))}/{len(prompts)}",
             "seconds": times[name].median,
             "speedup": base / times[name].median,
+            "decode_speedup": decode_speedup(times[name].median),
             **floors.row(times[name].median, bytes=floor_bytes),
         })  # fmt: skip
     return rows
@@ -293,7 +308,8 @@ def break_even(rows: list[dict], costs: dict) -> dict:
             k = int(r["decoder"].removeprefix("EAGLE, k="))
             v, n = costs[f"verify {k + 1} tokens, compiled"], r["accepted_per_verify"]
             out[k] = {"accepted": n, "verify": v, "draft": c, "predicted_speedup": round((1 + n) / (v + k * c), 3),
-                      "measured_speedup": round(r["speedup"], 3), "accepted_for_1.3x": round(1.3 * (v + k * c) - 1, 3)}  # fmt: skip
+                      "measured_speedup": round(r["speedup"], 3), "measured_decode_speedup": round(r["decode_speedup"], 3),
+                      "accepted_for_1.3x": round(1.3 * (v + k * c) - 1, 3)}  # fmt: skip
     return out
 
 
@@ -307,7 +323,7 @@ def training_report() -> dict:
 @torch.inference_mode()
 def main(quick: bool = False) -> bench.Result:
     pin_threads(1)
-    n_prompts, new, repeats = (2, 32, 1) if quick else (4, 64, 2)
+    n_prompts, new, repeats = (2, 32, 1) if quick else (8, 64, 2)
     s = setup(n_prompts, new)
     fns, runs, rounds, outputs, medusa_runs = variants(s)
     for name in runs:  # compiles the verification of k + 1 tokens
@@ -331,6 +347,8 @@ def main(quick: bool = False) -> bench.Result:
     )
     ok = "error" not in engine[0]
     figures = {"prompts": len(s.prompts), "new_tokens": new, "repeats": repeats, "k": K, "best_k": best_k,
+               "prefills_s": times[PREFILL].median,
+               "prefill_share_of_plain": times[PREFILL].median / times["plain, compiled step"].median,
                "target_step_compiled_s": unit, "costs_in_compiled_target_steps": cost_rows,
                "break_even": break_even(rows, cost_rows), "head_vocab": len(s.heads["EAGLE"].vocab),
                "engine_k": best_k, "engine": engine, **floors.figures(),

@@ -84,17 +84,25 @@ def test_stage06_lab4_quotes_the_eagle_learning_curve():
     )
     check(m.groups()[: len(curve)], [p["first_draft_top1"]["heldout"] for p in curve], "held-out first draft", 100)
     check(m.groups()[len(curve) :], [p["first_draft_top1"]["train"] for p in curve], "training first draft", 100)
+    for p in curve:  # as many passes over its answers as the shipped head makes over all of them
+        assert p["steps"] * int(p["fraction"].removeprefix("1/")) == report["steps"], f"the curve's steps: {p}"
     assert curve[-1]["heldout"] == report["heldout"], "the curve's last point is the shipped head"
 
 
 def test_stage06_lab4_quotes_eagle3_against_the_shipped_recipe():
     text, report = " ".join(handout("stage06_speculative/lab4.ipynb").split()), json.loads(EAGLE.read_text())
     recipes = report["recipes"]
-    if "eagle3" not in recipes:
-        return  # not trained yet: the handout quotes no EAGLE-3 figure
-    m = quoted(text, r"accepts (\d\.\d+) against the shipped recipe's (\d\.\d+) on all of the answers")
-    want = [recipes["eagle3"]["heldout"]["accepted_per_verification"], report["heldout"]["accepted_per_verification"]]
-    check(m.groups(), want, "EAGLE-3 against the shipped recipe")
+    m = quoted(
+        text,
+        r"accepts (\d\.\d+) against the shipped recipe's (\d\.\d+) on the first quarter of the answers \(([\d,]+) "
+        r"tokens\), and EAGLE-1 as published, without the training-time test, (\d\.\d+)",
+    )
+    names = ["eagle3", report["recipe"], None, "eagle1"]
+    want = [
+        recipes[n]["heldout"]["accepted_per_verification"] if n else recipes["eagle3"]["train_tokens"] for n in names
+    ]
+    check(m.groups(), want, "the recipes against each other")
+    assert len({p["train_tokens"] for p in recipes.values()}) == 1, "the recipes must compare on the same answers"
 
 
 def test_stage06_lab4_says_eagle_beats_medusa_and_it_does():
@@ -118,22 +126,25 @@ def test_stage06_lab4_quotes_the_last_eagle_benchmark():
     assert all(agrees(str(int(x)), a, 100) for x, a in zip(drafts, best["acceptance_per_position"], strict=True)), best
     m = quoted(
         text,
-        r"\$c\$ = (\d+\.\d+) with the draft's matrices on the packed loop \(`eagle.packed`; (\d+\.\d+) eager\), "
-        r"\$v\$ = (\d+\.\d+) for the (\d+)-token verification",
+        r"\$c\$ = (\d+\.\d+) with the draft's matrices in Q8_0 on the packed loop \(`eagle.packed`; (\d+\.\d+) in "
+        r"float32, (\d+\.\d+) eager\), \$v\$ = (\d+\.\d+) for the (\d+)-token verification",
     )
     want = [
         costs["draft step, EAGLE"],
+        costs["draft step, EAGLE, float32 draft"],
         costs["draft step, EAGLE, eager draft"],
         costs[f"verify {k + 1} tokens, compiled"],
     ]
-    check(m.groups()[:3], want, "stage06b_eagle.json costs")
-    assert int(m[4]) == k + 1, f"the best k is {k}"
+    check(m.groups()[:4], want, "stage06b_eagle.json costs")
+    assert int(m[5]) == k + 1, f"the best k is {k}"
     m = quoted(text, r"so a round costs about (\d+\.\d+) steps for (\d+\.\d+) tokens")
     cost = k * costs["draft step, EAGLE"] + costs[f"verify {k + 1} tokens, compiled"]  # k·c + v, "about": within 0.05
     assert abs(float(m[1]) - cost) <= 0.05, f"stage06b_eagle.json: a k = {k} round costs {cost:.2f} target steps"
     check(m.groups()[1:], [1 + best["accepted_per_verify"]], "stage06b_eagle.json tokens of a round")
     m = quoted(text, r"\*\*(\d+\.\d+)×\*\* the compiled plain decode \((\d+\.\d+) ms a step\)")
     check(m.groups(), [best["speedup"], 1e3 * bench["target_step_compiled_s"]], "stage06b_eagle.json speedup")
+    m = quoted(text, r"prefill on both sides \((\d+) % of the plain decode's time; without it, (\d+\.\d+)×\)")
+    check(m.groups(), [100 * bench["prefill_share_of_plain"], best["decode_speedup"]], "stage06b_eagle.json prefill")
     m = quoted(text, r"1\.3× would need (\d+\.\d+) drafts accepted per verification at those costs")
     check(m.groups(), [1.3 * cost - 1], "stage06b_eagle.json acceptance 1.3x needs")
     m = quoted(text, r"at concurrency 1, both sides on the packed loop, the same head at k = (\d+) gives (\d+\.\d+)× "
@@ -141,7 +152,7 @@ def test_stage06_lab4_quotes_the_last_eagle_benchmark():
     engine = next(e for e in bench["engine"] if e["concurrency"] == 1)
     assert int(m[1]) == bench["engine_k"], f"the engine ran k = {bench['engine_k']}"
     check(m.groups()[1:], [engine["fixed_speedup"], engine["adaptive_speedup"]], "stage06b_eagle.json engine at 1")
-    m = quoted(text, r"2-core AMD EPYC, shared, load (\d+\.\d+)–(\d+\.\d+), one thread\)")
+    m = quoted(text, r"2-core AMD EPYC, shared, load (\d+\.\d+)–(\d+\.\d+), one thread[,)]")
     check(m.groups(), [min(bench["load_average_1min"]), max(bench["load_average_1min"])], "stage06b_eagle.json load")
 
 
