@@ -280,14 +280,12 @@ def train_eagle(steps: int, shards: int, batch: int = 4, seed: int = 4, study: b
 
 
 def measured_points(config: Path) -> list[dict]:
-    """The study points a report already holds, each with its recipe and steps (a report whose points do not
-    say trained each for the report's own "steps")."""
+    """The study points a report already holds, each with its recipe (every point records its steps)."""
     if not config.is_file():
         return []
     report = json.loads(config.read_text())
     points = [{"recipe": report.get("recipe"), **p} for p in report.get("learning_curve", [])]
-    points += [{"recipe": name, **p} for name, p in report.get("recipes", {}).items()]
-    return [{"steps": report.get("steps"), **p} for p in points]
+    return points + [{"recipe": name, **p} for name, p in report.get("recipes", {}).items()]
 
 
 def eagle_study(target, rows, heldout, steps: int, batch: int, seed: int, report: dict, save, kept=()) -> None:
