@@ -69,17 +69,20 @@ def propose(
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    threshold: float = 0.0,
 ) -> tuple[list[int], torch.Tensor]:
-    """Draft k >= 1 tokens: one draft_forward over the pending true features (feats (T, H), next_ids, T >= 1),
-    then k - 1 single-position steps, each reading (the last predicted feature, the token just drafted).
+    """Draft up to k >= 1 tokens: one draft_forward over the pending true features (feats (T, H), next_ids,
+    T >= 1), then single-position steps, each reading (the last predicted feature, the token just drafted).
 
     temperature 0: each draft is the argmax of its logits; otherwise it is sampled (`sample`) from
-    warp(logits, temperature, top_p). returns (drafted, q (k, V) float32: row i the distribution drafted[i]
-    came from, a one-hot at temperature 0); afterwards the cache holds T + k - 1 more positions.
+    warp(logits, temperature, top_p). EAGLE-2's confidence: the draft stops after draft i (i < k) once the
+    product of softmax(logits)[drafted[j]] over j <= i falls below `threshold` (0: always k drafts); the first
+    draft is always made. returns (drafted (n <= k), q (n, V) float32: row i the distribution drafted[i] came
+    from, a one-hot at temperature 0); afterwards the cache holds T + n - 1 more positions.
     """
     feats, logits = draft_forward(head, cache, feats, torch.tensor(next_ids))
     feat, logits = feats[-1], logits[-1]
-    drafted, q = [], []
+    drafted, q, confidence = [], [], 1.0
     for i in range(k):
         if temperature == 0:
             q.append(torch.nn.functional.one_hot(logits.argmax(), len(logits)).float())
@@ -87,8 +90,10 @@ def propose(
         else:
             q.append(warp(logits, temperature, top_p))
             drafted.append(sample(q[-1], generator))
-        if i < k - 1:
-            feat, logits = (t[0] for t in draft_forward(head, cache, feat[None], torch.tensor(drafted[-1:])))
+        confidence *= float(torch.softmax(logits, -1)[drafted[-1]])
+        if i == k - 1 or confidence < threshold:
+            break
+        feat, logits = (t[0] for t in draft_forward(head, cache, feat[None], torch.tensor(drafted[-1:])))
     return drafted, torch.stack(q)
 
 
@@ -136,9 +141,11 @@ def eagle_generate(
     top_p: float = 1.0,
     seed: int = 0,
     eos_id: int | None = None,
+    threshold: float = 0.0,
 ) -> tuple[list[int], SpecStats]:
     """EAGLE decoding: the target's own greedy tokens (temperature 0), or tokens distributed exactly as
-    sampling from warp(target logits, temperature, top_p), with k feature-space drafts per target forward."""
+    sampling from warp(target logits, temperature, top_p), with up to k feature-space drafts per target forward
+    (fewer where the draft's confidence falls below `threshold`, see propose)."""
     size = len(prompt) + max_new_tokens + k + 1
     target_cache, draft_cache = target.new_cache(1, size), head.new_cache(size)
     generator = torch.Generator().manual_seed(seed)
@@ -149,7 +156,7 @@ def eagle_generate(
     def step(tokens, k_now):
         if k_now:
             read = draft_cache.length + len(pending["ids"])  # positions with true features after this read
-            drafted, q = propose(head, draft_cache, pending["feats"], pending["ids"], k_now, temperature, top_p, generator)  # fmt: skip
+            drafted, q = propose(head, draft_cache, pending["feats"], pending["ids"], k_now, temperature, top_p, generator, threshold)  # fmt: skip
             draft_cache.truncate(read)  # forget the positions read from the draft's own predictions
             pending["feats"], pending["ids"] = pending["feats"][:0], []
         else:

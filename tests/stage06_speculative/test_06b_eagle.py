@@ -75,6 +75,20 @@ def test_draft_forward_in_chunks_equals_the_teacher_forced_pass(impl, config, se
         )
 
 
+def rollout(head, feats: torch.Tensor, ids: torch.Tensor, k: int, tokens=()) -> tuple[list[int], torch.Tensor]:
+    """The slow way to draft k tokens: the whole sequence again each step, the draft's own features appended;
+    the greedy tokens, and the logits (k, V) that chose each of `tokens` (the draft's own where given)."""
+    want, rows, f, n = [], [], feats, ids
+    with torch.no_grad():
+        for i in range(k):
+            pred = head(f[None], n[None])[0, -1]
+            rows.append(pred @ head.target[0].lm_head.weight.T)
+            want.append(int(rows[-1].argmax()))
+            nxt = tokens[i] if i < len(tokens) else want[-1]
+            f, n = torch.cat([f, pred[None]]), torch.cat([n, torch.tensor([nxt])])
+    return want, torch.stack(rows)
+
+
 @pytest.mark.parametrize(("config", "seed", "k"), CASES)
 def test_propose_equals_a_rollout_that_recomputes_everything(impl, config, seed, k):
     m = impl("stage06_speculative.eagle")
@@ -85,27 +99,45 @@ def test_propose_equals_a_rollout_that_recomputes_everything(impl, config, seed,
     ids = random_tokens(seed + 1, T, target.config.vocab_size)
     cache = head.new_cache(T + k)
     drafted, q = m.propose(head, cache, feats, ids.tolist(), k)
-
-    def rollout(tokens: list[int]) -> tuple[list[int], torch.Tensor]:
-        """The slow way: the whole sequence again each step, the draft's own features appended; the greedy
-        tokens, and the logits (k, V) that chose each of `tokens` (the draft's own where given)."""
-        want, rows, f, n = [], [], feats, ids
-        with torch.no_grad():
-            for i in range(k):
-                pred = head(f[None], n[None])[0, -1]
-                rows.append(pred @ target.lm_head.weight.T)
-                want.append(int(rows[-1].argmax()))
-                nxt = tokens[i] if i < len(tokens) else want[-1]
-                f, n = torch.cat([f, pred[None]]), torch.cat([n, torch.tensor([nxt])])
-        return want, torch.stack(rows)
-
-    want, _ = rollout([])
+    want, _ = rollout(head, feats, ids, k)
     # the cached draft sums in other shapes than the rollout: equal greedy tokens up to a near-tie of its logits
     what = f"{config} seed={seed} k={k}: drafted {drafted}, the rollout gives {want}"
-    assert_greedy_within(drafted, want, lambda: rollout(drafted)[1], FP32_MARGIN, what)
+    assert_greedy_within(drafted, want, lambda: rollout(head, feats, ids, k, drafted)[1], FP32_MARGIN, what)
     assert cache.length == T + k - 1, f"{config} seed={seed} k={k}: cache.length {cache.length}, expected {T + k - 1}"
     assert q.shape == (k, target.config.vocab_size), f"{config} seed={seed}: q {tuple(q.shape)}"
     torch.testing.assert_close(q.sum(-1), torch.ones(k), msg=f"{config} seed={seed}: rows of q are distributions")
+
+
+@pytest.mark.parametrize(("config", "seed", "n"), [("gqa2-tied", 1, 1), ("mqa-odd", 3, 2), ("mha-untied", 0, 3), ("gqa4-3layers", 2, 4)])  # fmt: skip
+def test_propose_stops_once_the_drafts_confidence_falls_below_the_threshold(impl, config, seed, n):
+    """EAGLE-2's rule on a greedy chain of up to k = 4: the running product of the drafts' probabilities
+    (softmax of the logits each came from) is compared after each draft; a threshold between the products after
+    drafts n - 1 and n must give exactly n drafts."""
+    m = impl("stage06_speculative.eagle")
+    _, target = make_target(config, seed)
+    head, k, T = random_head(target, seed), 4, 7
+    feats = torch.randn(T, target.config.hidden_size, generator=torch.Generator().manual_seed(seed))
+    ids = random_tokens(seed + 1, T, target.config.vocab_size)
+    want, rows = rollout(head, feats, ids, k)
+    running = torch.softmax(rows, -1)[torch.arange(k), want].cumprod(0).tolist()
+    before = running[n - 2] if n > 1 else 1.0
+    if n < k:  # the draft n must be decisive: its probability far enough below 1 that rounding cannot bridge it
+        assert running[n - 1] < 0.95 * before, f"{config} seed={seed}: reference: draft {n} is near-certain"
+    # the geometric mean of the neighbouring products: far from both, on any scale
+    threshold = (running[n - 1] * before) ** 0.5 if n < k else running[k - 2] / 2
+    cache = head.new_cache(T + k)
+    drafted, q = m.propose(head, cache, feats, ids.tolist(), k, threshold=threshold)
+    products = ", ".join(f"{p:.3g}" for p in running)
+    assert drafted == want[:n], (
+        f"{config} seed={seed}: threshold {threshold:.3g}, the running products of the draft's probabilities "
+        f"{products}: expected the {n} drafts {want[:n]}, got {drafted} (stop after the draft whose product falls "
+        "below the threshold; the first draft is always made)"
+    )
+    assert q.shape == (n, target.config.vocab_size), f"{config} seed={seed}: q {tuple(q.shape)}, one row per draft"
+    assert cache.length == T + n - 1, (
+        f"{config} seed={seed}: cache.length {cache.length}, expected {T + n - 1} (the pending positions and the "
+        f"{n - 1} drafts fed back; no draft step after the last draft)"
+    )
 
 
 @pytest.mark.parametrize(("config", "seed", "agree"), [("gqa2-tied", 6, 0), ("mqa-odd", 7, 2), ("mha-untied", 8, 4)])
@@ -161,6 +193,21 @@ def test_a_draft_that_is_mostly_right_is_accepted_and_changes_nothing(impl, seed
     assert_hf_greedy(got, hf_target, prompt, 40, FP32_MARGIN, f"seed={seed} k={k}: EAGLE's greedy output")
     assert stats.accepted >= 20, f"seed={seed} k={k}: a nearly exact draft had only {stats.accepted} of 40 accepted"
     assert stats.accepted + stats.target_forwards == 40, f"seed={seed} k={k}: {stats}"
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_eagle_with_a_confidence_threshold_still_equals_target_greedy(impl, seed):
+    """A threshold above every product (1.0) leaves one draft per verification; the output is the target's own."""
+    m = impl("stage06_speculative.eagle")
+    hf_target, target = make_target("gqa2-tied", seed, num_hidden_layers=1)
+    prompt = random_tokens(seed, 10, target.config.vocab_size).tolist()
+    got, stats = m.eagle_generate(target, copying_head(target), prompt, 40, k=4, threshold=1.0)
+    assert_hf_greedy(got, hf_target, prompt, 40, FP32_MARGIN, f"seed={seed} threshold=1: EAGLE's greedy output")
+    assert stats.accepted + stats.target_forwards == 40, f"seed={seed}: {stats}"
+    assert stats.proposed <= stats.target_forwards - 1, (
+        f"seed={seed}: {stats.proposed} drafts in {stats.target_forwards - 1} verifications with threshold 1.0: "
+        "eagle_generate must hand propose its threshold"
+    )
 
 
 @pytest.mark.parametrize(("config", "seed", "k"), [("gqa2-tied", 4, 3), ("mqa-odd", 5, 4)])

@@ -307,6 +307,24 @@ MUTANTS = [
         replace="            q.append(torch.softmax(logits, -1))\n            drafted.append(sample(warp(logits, temperature, top_p), generator))",
         bug="propose samples from the warped distribution but hands the verification the unwarped one",
     ),
+    dict(
+        file="eagle.py",
+        find="        confidence *= float(torch.softmax(logits, -1)[drafted[-1]])",
+        replace="        confidence = float(torch.softmax(logits, -1)[drafted[-1]])",
+        bug="propose stops on the last draft's own probability, not the running product (EAGLE-2's confidence)",
+    ),
+    dict(
+        file="eagle.py",
+        find="        confidence *= float(torch.softmax(logits, -1)[drafted[-1]])",
+        replace="        confidence *= float(q[-1][drafted[-1]])",
+        bug="propose measures confidence on q, a one-hot at temperature 0, so the threshold never stops it",
+    ),
+    dict(
+        file="eagle.py",
+        find="        confidence *= float(torch.softmax(logits, -1)[drafted[-1]])\n        if i == k - 1 or confidence < threshold:",
+        replace="        if i == k - 1 or confidence < threshold:\n            break\n        confidence *= float(torch.softmax(logits, -1)[drafted[-1]])\n        if False:",
+        bug="propose checks the confidence before the newest draft's probability, one draft late",
+    ),
     # eagle.py: verify
     dict(
         file="eagle.py",
