@@ -14,9 +14,9 @@ once into EAGLE_DATA, outside the repository); fc and the head's one layer learn
   (labkit.eagle_data.FUSED_LAYERS) fused by a linear layer into the draft's feature slot, cross-entropy only
   (the draft's output need not be any feature of the target's), with the training-time test.
 
-The study (`eagle_study`) reports held-out acceptance per draft position for each recipe on the first quarter of
-the data, and for the shipped recipe on 1/16, 1/8, 1/4, 1/2 and all of it (the learning curve), into the shipped
-head's report.
+The study (`eagle_study`) reports held-out acceptance per draft position for each recipe on the first eighth of
+the data, and for the shipped recipe on 1/32, 1/16, 1/8, 1/4, 1/2 and all of it (the learning curve), into the
+shipped head's report.
 """
 
 import json
@@ -166,8 +166,8 @@ def eagle_second_step(head: eagle.EagleHead, x1: torch.Tensor, x2: torch.Tensor)
 
 VARIANTS = ("eagle1", "eagle1+ttt", "eagle3")
 SHIPPED = "eagle1+ttt"
-CURVE = (16, 8, 4, 2, 1)  # the learning curve: the first 1/16, 1/8, 1/4, 1/2 and all of the training answers
-RECIPES_PART = 4  # the recipes compare on the first quarter of the answers
+CURVE = (32, 16, 8, 4, 2, 1)  # the learning curve: the first 1/32, 1/16, ..., 1/2 and all of the training answers
+RECIPES_PART = 8  # the recipes compare on the first eighth of the answers
 
 
 def _frozen_target_and_answers(shards: int):
@@ -293,13 +293,13 @@ def eagle_study(target, rows, heldout, steps: int, batch: int, seed: int, report
     from those alone; report["recipes"]: each VARIANT on the first 1/RECIPES_PART. A head on 1/n of the answers
     trains steps / n steps, as many passes over them as the shipped head makes over all (a fixed number of steps
     would overfit the small parts and underfit the large ones), so the shipped head is the curve's last point;
-    report["all_answers_at_the_quarters_steps"]: all of the answers in the quarter's steps, which shows it. A
+    report["all_answers_at_the_recipes_steps"]: all of the answers in the recipes' part's steps, which shows it. A
     point in `kept` with the same recipe, tokens and steps is copied, not trained again. Calls `save` after each
     head, so a stopped run keeps what it measured."""
     report["recipes"], report["learning_curve"] = {}, []
     todo = [(SHIPPED, n, steps // n) for n in CURVE]
     todo += [(v, RECIPES_PART, steps // RECIPES_PART) for v in VARIANTS if v != SHIPPED]
-    todo += [(SHIPPED, 1, steps // RECIPES_PART)]  # all of the answers in the quarter's steps: data needs steps
+    todo += [(SHIPPED, 1, steps // RECIPES_PART)]  # all of the answers in the recipes' steps: data needs steps
     for variant, n, n_steps in todo:
         part = rows[: len(rows) // n]
         tokens = sum(len(r[0]) for r in part)
@@ -316,7 +316,7 @@ def eagle_study(target, rows, heldout, steps: int, batch: int, seed: int, report
             result = {"train_tokens": tokens, "train_seconds": round(secs), **head_report(head, part, heldout)}
         result = {"steps": n_steps, **result}
         if n_steps != steps // n:
-            report["all_answers_at_the_quarters_steps"] = result
+            report["all_answers_at_the_recipes_steps"] = result
         elif variant == SHIPPED:
             report["learning_curve"].append({"fraction": f"1/{n}", **result})
         if n == RECIPES_PART:

@@ -25,8 +25,10 @@ bytes (every weight once per token) at the measured bandwidth.
 - the prefills alone (each prompt's eager forward, which every decoder runs first), timed beside them: a
   row's "speedup" is wall clock, prefill included; its "decode_speedup" takes the prefill out of both sides,
   which is what the prediction above describes;
-- EAGLE at k = 1 .. K; at k = K the float32 draft, the eager draft and the whole 49,152-token LM head, for
-  what the Q8_0 draft, the packed loop and the reduced vocabulary buy;
+- EAGLE at k = 1 .. K; up to K while the draft is confident (propose's threshold, EAGLE-2's confidence: each
+  round drafts until the running product of the draft's probabilities falls below THRESHOLD); at k = K the
+  float32 draft, the eager draft and the whole 49,152-token LM head, for what the Q8_0 draft, the packed loop and
+  the reduced vocabulary buy;
 - Medusa heads trained on the same answers (labkit/assets/smollm2-medusa, `python -m labkit.train --only
   smollm2-medusa`), as a chain of 4 and as stage 06's tree, through the stage's medusa_generate (eager
   verification);
@@ -68,6 +70,10 @@ from .stage06b import crossover, sweep
 
 K = 4  # the longest chain timed; every k from 1 to K runs
 PREFILL = "the prefills alone"  # timed beside the decoders: each runs the same eager prefill per prompt
+# EAGLE-2's dynamic draft length (propose's threshold): draft on while the running product of the draft's own
+# probabilities stays at or above it; chosen by calibrate() on held-out prompts main() does not time
+THRESHOLD = 0.6
+CONFIDENT = f"EAGLE, k<={K} while confident"
 DRAFT_QUANTIZATION = "q8_0"  # the draft's matrices (eagle.packed): a draft step reads a quarter of the bytes
 ENGINE_CONCURRENCY = [1, 2, 4]
 
@@ -164,7 +170,7 @@ def setup(n_prompts: int, new: int) -> Setup:
 
 
 def variants(s: Setup):
-    """The decoders timed, name -> a closure over every prompt; EAGLE's runs, name -> (head, k, compiled), whose
+    """The decoders timed, name -> a closure over every prompt; EAGLE's runs, name -> (head, k, threshold), whose
     verifications each closure counts into rounds[name] (drafted, accepted) and whose tokens land in
     outputs[name]; Medusa's (tokens, stats) per prompt land in medusa_runs[name]."""
     eg, target, prompts, new = s.eg, s.target, s.prompts, s.new
@@ -180,19 +186,20 @@ def variants(s: Setup):
 
         return fn
 
-    runs = {f"EAGLE, k={k}": (s.heads["EAGLE"], k, True) for k in range(1, K + 1)}
-    runs |= {f"{name}, k={K}": (head, K, True) for name, head in s.heads.items() if name != "EAGLE"}
+    runs = {f"EAGLE, k={k}": (s.heads["EAGLE"], k, 0.0) for k in range(1, K + 1)}
+    runs[CONFIDENT] = (s.heads["EAGLE"], K, THRESHOLD)
+    runs |= {f"{name}, k={K}": (head, K, 0.0) for name, head in s.heads.items() if name != "EAGLE"}
     outputs = {name: [] for name in runs}
 
     def timed(name):
-        head, k, compiled = runs[name]
+        head, k, threshold = runs[name]
 
         def go():
             rounds[name], outputs[name] = [], []
             eg.verify = counted(name)
-            with compiled_verification(eg, target, s.cache, s.verifier, k) if compiled else contextlib.nullcontext():
+            with compiled_verification(eg, target, s.cache, s.verifier, k):
                 for p in prompts:
-                    outputs[name].append(eg.eagle_generate(target, head, p, new, k=k)[0])
+                    outputs[name].append(eg.eagle_generate(target, head, p, new, k=k, threshold=threshold)[0])
             eg.verify = verify
 
         return go
@@ -298,18 +305,27 @@ def engine_rows(s: Setup, quick: bool, k: int) -> list[dict]:
     return rows
 
 
-def break_even(rows: list[dict], costs: dict) -> dict:
+def break_even(rows: list[dict], costs: dict, rounds: dict) -> dict:
     """Per k: accepted drafts per verification (n), the verification's cost v and k draft steps (c each) in
     compiled target steps, the predicted speedup (1 + n) / (v + k c), the measured one, and the n that 1.3x
-    would need at those costs."""
+    would need at those costs. The confident chain's k varies by round: its k and v are means over its rounds."""
     c, out = costs["draft step, EAGLE"], {}
     for r in rows:
-        if r["decoder"].startswith("EAGLE, k="):
-            k = int(r["decoder"].removeprefix("EAGLE, k="))
-            v, n = costs[f"verify {k + 1} tokens, compiled"], r["accepted_per_verify"]
-            out[k] = {"accepted": n, "verify": v, "draft": c, "predicted_speedup": round((1 + n) / (v + k * c), 3),
-                      "measured_speedup": round(r["speedup"], 3), "measured_decode_speedup": round(r["decode_speedup"], 3),
-                      "accepted_for_1.3x": round(1.3 * (v + k * c) - 1, 3)}  # fmt: skip
+        name = r["decoder"]
+        if name.startswith("EAGLE, k="):
+            drafts = [int(name.removeprefix("EAGLE, k="))]
+        elif name == CONFIDENT:
+            drafts = [d for d, _ in rounds[name]]
+        else:
+            continue
+        k = sum(drafts) / len(drafts)
+        v = sum(costs[f"verify {d + 1} tokens, compiled"] for d in drafts) / len(drafts)
+        n = r["accepted_per_verify"]
+        out[drafts[0] if name != CONFIDENT else "confident"] = {
+            "drafts": round(k, 3), "accepted": n, "verify": round(v, 3), "draft": c,
+            "predicted_speedup": round((1 + n) / (v + k * c), 3), "measured_speedup": round(r["speedup"], 3),
+            "measured_decode_speedup": round(r["decode_speedup"], 3), "accepted_for_1.3x": round(1.3 * (v + k * c) - 1, 3),
+        }  # fmt: skip
     return out
 
 
@@ -350,12 +366,48 @@ def main(quick: bool = False) -> bench.Result:
                "prefills_s": times[PREFILL].median,
                "prefill_share_of_plain": times[PREFILL].median / times["plain, compiled step"].median,
                "target_step_compiled_s": unit, "costs_in_compiled_target_steps": cost_rows,
-               "break_even": break_even(rows, cost_rows), "head_vocab": len(s.heads["EAGLE"].vocab),
+               "break_even": break_even(rows, cost_rows, rounds), "head_vocab": len(s.heads["EAGLE"].vocab),
                "engine_k": best_k, "engine": engine, **floors.figures(),
                "engine_crossover_fixed_k": crossover(engine) if ok else None,
                "engine_crossover_adaptive": crossover(engine, "adaptive_speedup") if ok else None,
                "training": training_report()}  # fmt: skip
     return bench.Result(rows, figures, _plot(rows))
+
+
+@torch.inference_mode()
+def calibrate(thresholds=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0), first: int = 8, count: int = 16, new: int = 64) -> dict:
+    """How THRESHOLD was chosen: EAGLE with up to K drafts a round at each threshold (0: always K; 1: one draft a
+    round) on held-out prompts first .. first + count - 1, none of which main() times; one interleaved run, each
+    threshold's wall-clock speedup over the compiled plain decode and its drafts and accepted per verification.
+
+        .venv/bin/python -c "from labkit.bench.stage06b_eagle import calibrate; calibrate()"
+    """
+    pin_threads(1)
+    s = setup(first + count, new)
+    prompts, eg, target, head = s.prompts[first:], s.eg, s.target, s.heads["EAGLE"]
+    stats = {}
+
+    def run(threshold):
+        def go():
+            with compiled_verification(eg, target, s.cache, s.verifier, K):
+                stats[threshold] = [
+                    eg.eagle_generate(target, head, p, new, k=K, threshold=threshold)[1] for p in prompts
+                ]
+
+        return go
+
+    fns = {"plain": lambda: [s.plain(p, new) for p in prompts]} | {t: run(t) for t in thresholds}
+    for fn in fns.values():  # compiles each verification length once
+        fn()
+    times = bench.interleaved(fns, 1, warmup=0)
+    out = {}
+    for t in thresholds:
+        rounds = sum(st.target_forwards - 1 for st in stats[t])
+        out[t] = {"speedup": round(times["plain"].median / times[t].median, 3),
+                  "drafts_per_verification": round(sum(st.proposed for st in stats[t]) / rounds, 3),
+                  "accepted_per_verification": round(sum(st.accepted for st in stats[t]) / rounds, 3)}  # fmt: skip
+        print(f"threshold {t}: {out[t]}", flush=True)
+    return out
 
 
 def _plot(rows: list[dict]):

@@ -94,7 +94,7 @@ def test_stage06_lab4_quotes_eagle3_against_the_shipped_recipe():
     recipes = report["recipes"]
     m = quoted(
         text,
-        r"accepts (\d\.\d+) against the shipped recipe's (\d\.\d+) on the first quarter of the answers \(([\d,]+) "
+        r"accepts (\d\.\d+) against the shipped recipe's (\d\.\d+) on the first eighth of the answers \(([\d,]+) "
         r"tokens\), and EAGLE-1 as published, without the training-time test, (\d\.\d+)",
     )
     names = ["eagle3", report["recipe"], None, "eagle1"]
@@ -145,6 +145,18 @@ def test_stage06_lab4_quotes_the_last_eagle_benchmark():
     check(m.groups(), [best["speedup"], 1e3 * bench["target_step_compiled_s"]], "stage06b_eagle.json speedup")
     m = quoted(text, r"prefill on both sides \((\d+) % of the plain decode's time; without it, (\d+\.\d+)×\)")
     check(m.groups(), [100 * bench["prefill_share_of_plain"], best["decode_speedup"]], "stage06b_eagle.json prefill")
+    m = quoted(
+        text,
+        r"The confident chain \(k ≤ (\d+), `threshold=(\d\.\d+)`\) drafted (\d\.\d+) a round and accepted (\d\.\d+): its "
+        r"costs predict (\d\.\d+)×, and it ran at (\d\.\d+)×",
+    )
+    confident = bench["break_even"]["confident"]
+    assert int(m[1]) == bench["k"], f"the confident chain drafts up to k = {bench['k']}"
+    check(m.groups()[2:], [confident[key] for key in ("drafts", "accepted", "predicted_speedup", "measured_speedup")],
+          "stage06b_eagle.json confident chain")  # fmt: skip
+    from labkit.bench.stage06b_eagle import THRESHOLD
+
+    assert float(m[2]) == THRESHOLD, f"the benchmark's threshold is {THRESHOLD}"
     m = quoted(text, r"1\.3× would need (\d+\.\d+) drafts accepted per verification at those costs")
     check(m.groups(), [1.3 * cost - 1], "stage06b_eagle.json acceptance 1.3x needs")
     m = quoted(text, r"at concurrency 1, both sides on the packed loop, the same head at k = (\d+) gives (\d+\.\d+)× "

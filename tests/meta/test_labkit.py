@@ -229,18 +229,23 @@ def test_eagle_study_trains_each_part_for_its_share_of_the_steps_and_keeps_only_
     target = Llama(Config(vocab_size=16, hidden_size=8, num_attention_heads=2, num_key_value_heads=1))
     rows = [(torch.arange(3 + i % 5) % 16, None, 1, None) for i in range(64)]
     tokens = lambda n: sum(len(r[0]) for r in rows[: 64 // n])  # noqa: E731
+    part = te.RECIPES_PART
     kept = [
-        {"recipe": te.SHIPPED, "train_tokens": tokens(4), "steps": 800 // 4, "heldout": "kept", "train_seconds": 9,
-         "first_draft_top1": {}},
-        {"recipe": "eagle3", "train_tokens": tokens(4), "steps": 600, "heldout": "stale", "train_seconds": 9,
+        {"recipe": te.SHIPPED, "train_tokens": tokens(part), "steps": 800 // part, "heldout": "kept",
+         "train_seconds": 9, "first_draft_top1": {}},
+        {"recipe": "eagle3", "train_tokens": tokens(part), "steps": 600, "heldout": "stale", "train_seconds": 9,
          "first_draft_top1": {}},
     ]  # fmt: skip
     report = {"train_seconds": 5, "first_draft_top1": {}, "heldout": "shipped"}
     te.eagle_study(target, rows, [], 800, 4, 0, report, lambda: None, kept)
     curve = report["learning_curve"]
     assert [p["steps"] for p in curve] == [800 // n for n in te.CURVE], curve
-    assert curve[-1]["heldout"] == "shipped" and curve[te.CURVE.index(4)]["heldout"] == "kept", curve
-    assert (te.SHIPPED, 16, 200) not in trained, "a point with the same recipe, tokens and steps was trained again"
-    assert ("eagle3", 16, 200) in trained, "a kept point trained for other steps was copied"
+    assert curve[-1]["heldout"] == "shipped" and curve[te.CURVE.index(part)]["heldout"] == "kept", curve
+    assert (te.SHIPPED, 64 // part, 800 // part) not in trained, (
+        "a point with the same recipe, tokens and steps was trained again"
+    )
+    assert ("eagle3", 64 // part, 800 // part) in trained, "a kept point trained for other steps was copied"
     assert report["recipes"]["eagle3"]["heldout"] == {"n": 0} and report["recipes"][te.SHIPPED]["heldout"] == "kept"
-    assert report["all_answers_at_the_quarters_steps"]["steps"] == 200 and (te.SHIPPED, 64, 200) in trained
+    assert (
+        report["all_answers_at_the_recipes_steps"]["steps"] == 800 // part and (te.SHIPPED, 64, 800 // part) in trained
+    )
