@@ -52,6 +52,8 @@ over k + 1 tokens sums in another order than a one-token step, so a near-tie may
 import contextlib
 import dataclasses
 import json
+import os
+import time
 
 import torch
 
@@ -378,11 +380,13 @@ def main(quick: bool = False) -> bench.Result:
 def calibrate(thresholds=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0), first: int = 8, count: int = 16, new: int = 64) -> dict:
     """How THRESHOLD was chosen: EAGLE with up to K drafts a round at each threshold (0: always K; 1: one draft a
     round) on held-out prompts first .. first + count - 1, none of which main() times; one interleaved run, each
-    threshold's wall-clock speedup over the compiled plain decode and its drafts and accepted per verification.
+    threshold's wall-clock speedup over the compiled plain decode and its drafts and accepted per verification,
+    saved as bench_results/stage06b_eagle_calibration.json.
 
         .venv/bin/python -c "from labkit.bench.stage06b_eagle import calibrate; calibrate()"
     """
     pin_threads(1)
+    load0 = os.getloadavg()[0]
     s = setup(first + count, new)
     prompts, eg, target, head = s.prompts[first:], s.eg, s.target, s.heads["EAGLE"]
     stats = {}
@@ -400,14 +404,17 @@ def calibrate(thresholds=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0), first: int = 8, count: 
     for fn in fns.values():  # compiles each verification length once
         fn()
     times = bench.interleaved(fns, 1, warmup=0)
-    out = {}
+    rows = []
     for t in thresholds:
         rounds = sum(st.target_forwards - 1 for st in stats[t])
-        out[t] = {"speedup": round(times["plain"].median / times[t].median, 3),
-                  "drafts_per_verification": round(sum(st.proposed for st in stats[t]) / rounds, 3),
-                  "accepted_per_verification": round(sum(st.accepted for st in stats[t]) / rounds, 3)}  # fmt: skip
-        print(f"threshold {t}: {out[t]}", flush=True)
-    return out
+        rows.append({"threshold": t, "speedup": round(times["plain"].median / times[t].median, 3),
+                     "drafts_per_verification": round(sum(st.proposed for st in stats[t]) / rounds, 3),
+                     "accepted_per_verification": round(sum(st.accepted for st in stats[t]) / rounds, 3)})  # fmt: skip
+    bench.show(rows, f"EAGLE up to k = {K} by threshold: held-out prompts {first} .. {first + count - 1}, one run")
+    run = {"date": time.strftime("%Y-%m-%d", time.gmtime()), "load_average_1min": [round(load0, 2), round(os.getloadavg()[0], 2)]}  # fmt: skip
+    figures = {"prompts": f"held-out {first} .. {first + count - 1}", "new_tokens": new, "k": K, "repeats": 1}
+    bench.save(bench.Result(rows, figures), "stage06b_eagle_calibration", run)
+    return rows
 
 
 def _plot(rows: list[dict]):
