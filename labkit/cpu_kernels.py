@@ -82,7 +82,8 @@ def ops():
     )
     for name in ("q8_0_matvec", "q4_1_matvec"):  # shapes only, for torch.compile's tracing
         torch.library.register_fake(f"labkit_cpu::{name}")(lambda x, w, *rest: x.new_empty(x.shape[0], w.shape[0]))
-    torch.library.register_fake("labkit_cpu::q4_0_matvec")(lambda x, w, s: x.new_empty(x.shape[0], w.shape[0] * 8))
+    for name in ("q4_0_matvec", "q8_0x8_matvec"):  # rows interleaved in eights
+        torch.library.register_fake(f"labkit_cpu::{name}")(lambda x, w, s: x.new_empty(x.shape[0], w.shape[0] * 8))
     torch.library.register_fake("labkit_cpu::f32_matvec")(lambda x, w: x.new_empty(x.shape[0], w.shape[0] * MR))
     torch.library.register_fake("labkit_cpu::decode_attention")(lambda q, k, v, pos: torch.empty_like(q))
     return torch.ops.labkit_cpu

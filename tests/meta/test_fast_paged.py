@@ -243,3 +243,35 @@ def test_packed_eagle_head_runs_the_kernels_and_keeps_the_heads_forward(ops, qua
     odd = eagle.attach(random_labkit_llama(3, **LLAMA_CONFIGS["gqa4-3layers"], vocab_size=97), torch.arange(97))
     with pytest.raises(ValueError, match="cannot store it as q8_0"):
         eagle.packed(odd, "q8_0")
+
+
+@pytest.mark.parametrize("backend", ["eager", "compile"])
+def test_static_draft_equals_the_packed_heads_forward(ops, backend):
+    """labkit.fast_verify.StaticDraft (the benchmark's compiled draft step) over 6, 1, 2 and 2 positions of one
+    sequence: each position's predicted feature is the Q8_0-packed head's teacher-forced one (the same kernels and
+    layout), its logits that feature through the head's LM head at the head's tokens (a shuffled subset, so a
+    scatter into the wrong columns shows) and -inf elsewhere; the keys cross a window of 8, so the wider one runs."""
+    from labkit import eagle
+    from labkit.fast_verify import StaticDraft
+
+    model = random_labkit_llama(5, **LLAMA_CONFIGS["gqa4-3layers"], vocab_size=96)
+    vocab = torch.randperm(96, generator=torch.Generator().manual_seed(5))[:40]
+    head = eagle.attach(model, vocab, seed=5)
+    with torch.no_grad():  # attach starts from f_{t+1} = f_t: a layer adding nothing and no fc bias
+        for p in [*head.layer.parameters(), head.fc.bias]:
+            p.normal_(0, 0.05, generator=torch.Generator().manual_seed(6))
+    fast = eagle.packed(head, "q8_0")
+    feats, ids = torch.randn(11, model.config.hidden_size), random_tokens(6, 11, 96, 1)[0]
+    draft = StaticDraft(head, head.new_cache(16), window=8, backend=backend)
+    with torch.no_grad():
+        want = fast(feats[None], ids[None])[0]
+        start = 0
+        for T in (6, 1, 2, 2):
+            got, logits = draft(feats[start : start + T], ids[start : start + T])
+            torch.testing.assert_close(got, want[start : start + T], atol=1e-5, rtol=1e-5, msg=f"{backend}: at {start}")
+            masked = torch.ones(96, dtype=torch.bool)
+            masked[vocab] = False
+            assert torch.isneginf(logits[:, masked]).all(), f"{backend}: a token outside the head's vocabulary"
+            torch.testing.assert_close(logits[:, vocab], fast.lm_head(want[start : start + T]), atol=1e-4, rtol=1e-4)
+            start += T
+    assert draft.cache.length == 11
