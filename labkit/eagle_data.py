@@ -142,6 +142,7 @@ def prompts(n: int, heldout: bool = False, seed: int = 0) -> list[str]:
     return list(out)
 
 
+HELDOUT = 40  # held-out prompts: the head's evaluation, and every one of them the EAGLE benchmark's
 FUSED_LAYERS = (2, 15, 27)  # EAGLE-3's low, middle and high features: the residual stream after these layers
 ENGINE_CONCURRENCY = 16  # sequences the engine decodes at once: its aggregate throughput, not one chat's
 
@@ -212,7 +213,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--train", type=int, default=2 * BLOCK)
-    ap.add_argument("--heldout", type=int, default=40)
+    ap.add_argument("--heldout", type=int, default=HELDOUT)
     ap.add_argument("--shards", type=int, help="answer only the first SHARDS batches of training prompts")
     args = ap.parse_args(argv)
     generate(args.out, prompts(args.heldout, heldout=True), "heldout")

@@ -3,50 +3,34 @@
 
     make bench STAGE=06b_eagle        (needs make setup; LABS_IMPL=solution, IMPL=student times your code)
 
-Batch 1, greedy, one thread, held-out chat prompts (labkit.eagle_data: subjects no training prompt
-names). The baseline is plain greedy decoding with the compiled one-token step (labkit.fast_decode.
-StaticDecoder, torch.compile, kernels="cpp": labkit.cpu_kernels' float32 loop where it builds), the
-fastest plain decode the course has; the eager model's own generate is timed beside it. EAGLE's
-verification runs the same weights and kernels compiled for k + 1 tokens (labkit.fast_verify.
-StaticVerifier, on the same cache), so both sides use the compiler and the loop (which reads each weight
-once for all k + 1 rows); the eager verification is a cost row. The draft's matrices (fc, the layer and the
-reduced LM head) run labkit.cpu_kernels in Q8_0 (labkit.eagle.packed): a draft step is memory-bound, and the
-draft's rounding can only cost acceptance, never change a verified token; the float32 draft is timed beside it.
-All variants run interleaved in one process, medians of repeats; each row's floor is the plain decode's
-bytes (every weight once per token) at the measured bandwidth.
+Batch 1, greedy, one thread, every held-out chat prompt (labkit.eagle_data: subjects no training prompt names).
+The baseline is the fastest plain decode the course has: the compiled one-token step (labkit.fast_decode.
+StaticDecoder, kernels="cpp": labkit.cpu_kernels' float32 loop). EAGLE's verification runs the same weights and
+loop compiled for k + 1 tokens (labkit.fast_verify.StaticVerifier, on the same cache; the loop reads each weight
+once for all rows), and its draft step is compiled the same way (StaticDraft), the draft's matrices in Q8_0: a
+draft step is memory-bound, and its rounding can cost acceptance but never change a verified token. The main
+group (EAGLE at k = 1 .. K, and up to K while the draft is confident: propose's threshold, EAGLE-2's confidence)
+runs interleaved with the plain decode, medians of repeats; a side group on the first SIDE_PROMPTS, one run, times
+the slower decoders (the eager model's generate; Medusa heads trained on the same answers, as a chain and as
+stage 06's tree, eager verification) and, at k = K, the draft not compiled, in float32, eager and with the whole
+49,152-token LM head. Each row's floor: its target forwards at the weights' and cache's bytes, and its draft
+steps at the draft's, at the measured bandwidth. Also measured:
 
-- acceptance per draft position j: of the rounds whose drafts 1..j-1 were all accepted, how many
-  accepted draft j too; accepted per verification is the mean run of accepted drafts (the tokens a
-  verification emits are that + 1);
-- the cost breakdown: a draft step (one position through fc, the layer and the reduced LM head; packed and
-  eager) and a verification over k + 1 tokens for each k, in units of one plain target step, which is what
-  decides whether the accepted tokens pay: speedup ~ (accepted + 1) / (verify + k * draft) in those units
-  (figures["break_even"]: that prediction per k beside the measured speedup, and the acceptance 1.3x needs);
-- the prefills alone (each prompt's eager forward, which every decoder runs first), timed beside them: a
-  row's "speedup" is wall clock, prefill included; its "decode_speedup" takes the prefill out of both sides,
-  which is what the prediction above describes;
-- EAGLE at k = 1 .. K; up to K while the draft is confident (propose's threshold, EAGLE-2's confidence: each
-  round drafts until the running product of the draft's probabilities falls below THRESHOLD); at k = K the
-  float32 draft, the eager draft and the whole 49,152-token LM head, for what the Q8_0 draft, the packed loop and
-  the reduced vocabulary buy;
-- Medusa heads trained on the same answers (labkit/assets/smollm2-medusa, `python -m labkit.train --only
-  smollm2-medusa`), as a chain of 4 and as stage 06's tree, through the stage's medusa_generate (eager
-  verification);
-- inside stage 06's batching engine (batch_engine.py, every request submitted at once, the target's and the
-  head's matrices on labkit.cpu_kernels), the EAGLE head as its proposer at the fixed k that was fastest at
-  batch 1 and with choose_k (the acceptance-aware policy, on costs measured here), against the same engine
-  without speculation, at a few concurrencies (stage06b.sweep: its outputs must equal the target's greedy);
-- the head's training report (labkit/assets/smollm2-eagle/config.json, written by labkit.train_eagle): the
-  corpus and its generation time, the learning curve and the EAGLE-1 / EAGLE-3 recipes, copied as measured.
+- acceptance per draft position j (of the rounds whose drafts 1..j-1 were all accepted, how many accepted draft
+  j too) and accepted per verification (the mean run of accepted drafts);
+- the costs of a draft step and a verification of k + 1 tokens in plain target steps, which decide whether
+  accepted tokens pay: speedup ~ (accepted + 1) / (verify + k * draft) (figures["break_even"], beside the
+  measured speedup and the acceptance 1.3x needs); the prefills alone, timed beside them, so "decode_speedup"
+  can take them out of both sides;
+- inside stage 06's batching engine, the head as its proposer at the best fixed k and with choose_k, against the
+  same engine without speculation, at a few concurrencies (stage06b.sweep checks its tokens against greedy);
+- the head's training report (corpus, learning curve, EAGLE-1 / EAGLE-3 recipes), copied as measured.
 
-Hugging Face's assisted generation cannot take this draft: transformers 5.23's candidate generators
-take a standalone causal LM (`assistant_model`), the model's own MTP layers (`num_mtp_layers` in its
-config; SmolLM2 has none) or a cross-attending assistant (SinglePositionMultiTokenCandidateGenerator);
-an EAGLE head is none of these (it reads the target's features, which assisted generation does not
-hand to an assistant).
-
-Whether each variant emits exactly the compiled baseline's tokens is recorded per prompt (a verification
-over k + 1 tokens sums in another order than a one-token step, so a near-tie may flip).
+Hugging Face's assisted generation cannot take this draft: transformers 5.23's candidate generators take a
+standalone causal LM (`assistant_model`), the model's own MTP layers (`num_mtp_layers`; SmolLM2 has none) or a
+cross-attending assistant; an EAGLE head reads the target's features, which assisted generation does not hand
+over. Whether each variant emits exactly the baseline's tokens is recorded per prompt (a verification sums in
+another order than a one-token step, so a near-tie may flip).
 """
 
 import contextlib
@@ -56,6 +40,7 @@ import os
 import time
 
 import torch
+from torch import nn
 
 from labkit import bench, eagle, eagle_data, medusa, plot
 from labkit.bench import floors
@@ -63,7 +48,7 @@ from labkit.checkpoint import load_tokenizer, require_real_model
 from labkit.device import pin_threads
 from labkit.fast_decode import StaticDecoder
 from labkit.fast_paged import accelerate
-from labkit.fast_verify import StaticVerifier
+from labkit.fast_verify import StaticDraft, StaticVerifier
 from labkit.impl import current, load
 from labkit.testing import real_labkit
 from labkit.train import SMOLLM2_MEDUSA
@@ -71,13 +56,15 @@ from labkit.train import SMOLLM2_MEDUSA
 from .stage06b import crossover, sweep
 
 K = 4  # the longest chain timed; every k from 1 to K runs
+PLAIN = "plain, compiled step"  # every group's baseline
 PREFILL = "the prefills alone"  # timed beside the decoders: each runs the same eager prefill per prompt
 # EAGLE-2's dynamic draft length (propose's threshold): draft on while the running product of the draft's own
-# probabilities stays at or above it; chosen by calibrate() on held-out prompts main() does not time
+# probabilities stays at or above it; chosen by calibrate() (its first run, on held-out prompts 8 .. 23)
 THRESHOLD = 0.6
 CONFIDENT = f"EAGLE, k<={K} while confident"
 DRAFT_QUANTIZATION = "q8_0"  # the draft's matrices (eagle.packed): a draft step reads a quarter of the bytes
 ENGINE_CONCURRENCY = [1, 2, 4]
+SIDE_PROMPTS = 8  # the side group's decoders (2-5x slower, or variants of the draft) time the first 8 prompts
 
 
 def compiled_greedy(target, max_len: int):
@@ -97,40 +84,53 @@ def compiled_greedy(target, max_len: int):
 
 
 @contextlib.contextmanager
-def compiled_verification(eg, target, cache, verifier: StaticVerifier, k: int):
-    """Inside: eagle_generate's target cache is `cache` (rewound), and its target forwards of up to k + 1 tokens on
-    it (the verifications, the last rounds' shorter ones included) run `verifier`, compiled once per length; the
-    prefill stays eager, as the plain decode's does."""
-    eager_forward, new_cache = eg.target_forward, target.new_cache
+def compiled_steps(eg, s: "Setup", head, k: int, draft: StaticDraft | None):
+    """Inside: eagle_generate's target cache is s.cache (rewound), and its target forwards of up to k + 1 tokens on
+    it (the verifications, the last rounds' shorter ones included) run s.verifier, compiled once per length; with a
+    `draft`, `head`'s cache is draft.cache and its draft forwards of up to k + 1 positions run `draft` the same way.
+    The prefills (the prompt through the target, then through the draft) stay eager, as the plain decode's does."""
+    eager_target, eager_draft = eg.target_forward, eg.draft_forward
 
     def target_forward(model, c, ids):
-        if c is not cache or len(ids) > k + 1:
-            return eager_forward(model, c, ids)
-        feats, logits = verifier(torch.tensor([ids]))
+        if c is not s.cache or len(ids) > k + 1:
+            return eager_target(model, c, ids)
+        feats, logits = s.verifier(torch.tensor([ids]))
         return feats[0], logits[0].float()
 
-    def shared_cache(batch, max_len):
-        if batch != 1 or max_len > cache.max_seq_len:
-            raise ValueError(f"the compiled verification's cache holds {cache.max_seq_len} positions, not {max_len}")
-        cache.truncate(0)
-        return cache
+    def draft_forward(h, c, feats, next_ids):
+        if draft is None or c is not draft.cache or len(next_ids) > k + 1:
+            return eager_draft(h, c, feats, next_ids)
+        return draft(feats, next_ids)
 
-    eg.target_forward, target.new_cache = target_forward, shared_cache
+    def rewound(cache):
+        def new_cache(*args):  # (batch, max_len) for the target, (max_len,) for the head
+            if args[-1] > cache.max_seq_len or args[:-1] not in ((), (1,)):
+                raise ValueError(f"the compiled steps' cache holds one sequence of {cache.max_seq_len}, not {args}")
+            cache.truncate(0)
+            return cache
+
+        return new_cache
+
+    eg.target_forward, eg.draft_forward, s.target.new_cache = target_forward, draft_forward, rewound(s.cache)
+    if draft is not None:
+        head.new_cache = rewound(draft.cache)
     try:
         yield
     finally:
-        eg.target_forward, target.new_cache = eager_forward, new_cache
+        eg.target_forward, eg.draft_forward = eager_target, eager_draft
+        del s.target.new_cache
+        if draft is not None:
+            del head.new_cache
 
 
-def draft_step(eg, head, context: int = 96):
-    """A closure timing one draft step (one position) after `context` cached draft positions."""
-    cache = head.new_cache(context + 1)
-    H = head.config.hidden_size
-    eg.draft_forward(head, cache, torch.zeros(context, H), torch.ones(context, dtype=torch.long))
-    feat, token = torch.zeros(1, H), torch.ones(1, dtype=torch.long)
+def draft_step(forward, cache, hidden: int, context: int = 96):
+    """A closure timing one draft step, forward(feats, ids) on `cache`, after `context` cached positions."""
+    cache.truncate(0)
+    forward(torch.zeros(context, hidden), torch.ones(context, dtype=torch.long))
+    feat, token = torch.zeros(1, hidden), torch.ones(1, dtype=torch.long)
 
     def step():
-        eg.draft_forward(head, cache, feat, token)
+        forward(feat, token)
         cache.truncate(context)
 
     return step
@@ -138,8 +138,7 @@ def draft_step(eg, head, context: int = 96):
 
 @dataclasses.dataclass
 class Setup:
-    """What every variant shares: the target and its heads, the held-out prompts, and the compiled plain decode
-    with the one cache it shares with EAGLE's compiled verification."""
+    """What every variant shares: the target, its heads, the prompts, the compiled steps and their caches."""
 
     eg: object
     target: object
@@ -151,82 +150,102 @@ class Setup:
     decoder: object
     cache: object
     verifier: StaticVerifier
+    draft: StaticDraft
     reference: list
 
 
 def setup(n_prompts: int, new: int) -> Setup:
-    eg = load("stage06_speculative.eagle")
-    folder = require_real_model()
-    target, tok = real_labkit(), load_tokenizer(folder)
+    eg, target, tok = load("stage06_speculative.eagle"), real_labkit(), load_tokenizer(require_real_model())
     head = eagle.load(eagle.REAL_EAGLE, target)
     full = eagle.load(eagle.REAL_EAGLE, target, full_vocab=True)
-    heads = {"EAGLE": eagle.packed(head, DRAFT_QUANTIZATION), "EAGLE, float32 draft": eagle.packed(head),
+    q8 = eagle.packed(head, DRAFT_QUANTIZATION)
+    heads = {"EAGLE": q8, "EAGLE, draft not compiled": q8, "EAGLE, float32 draft": eagle.packed(head),
              "EAGLE, eager draft": head, "EAGLE, full LM head": eagle.packed(full, DRAFT_QUANTIZATION)}  # fmt: skip
     prompts = [tok.encode(p).ids for p in eagle_data.prompts(n_prompts, heldout=True)]
-    # one cache for the plain decode and EAGLE's verification: a prompt, its tokens and k + 1 drafts; 96 + k + 1
-    # for the cost timings
-    plain, decoder, cache = compiled_greedy(target, max(128, max(len(p) for p in prompts) + new + K + 1))
+    # one cache for the plain decode and EAGLE's verification: a prompt, its tokens, k + 1 drafts (costs: 96 + k + 1)
+    size = max(128, max(len(p) for p in prompts) + new + K + 1)
+    plain, decoder, cache = compiled_greedy(target, size)
     reference = [plain(p, new) for p in prompts]  # also compiles the step before any timing
-    verifier = StaticVerifier(target, cache, kernels="cpp")
-    return Setup(eg, target, tok, heads, prompts, new, plain, decoder, cache, verifier, reference)
+    verifier, draft = StaticVerifier(target, cache, kernels="cpp"), StaticDraft(head, head.new_cache(size))
+    for T in range(1, K + 2):  # compiles every length a round verifies, or drafts after a verification
+        cache.truncate(0)
+        verifier(torch.ones(1, T, dtype=torch.long))
+        draft.cache.truncate(0)
+        draft(torch.zeros(T, head.config.hidden_size), torch.ones(T, dtype=torch.long))
+    return Setup(eg, target, tok, heads, prompts, new, plain, decoder, cache, verifier, draft, reference)
 
 
-def variants(s: Setup):
-    """The decoders timed, name -> a closure over every prompt; EAGLE's runs, name -> (head, k, threshold), whose
-    verifications each closure counts into rounds[name] (drafted, accepted) and whose tokens land in
-    outputs[name]; Medusa's (tokens, stats) per prompt land in medusa_runs[name]."""
-    eg, target, prompts, new = s.eg, s.target, s.prompts, s.new
-    rounds: dict[str, list[tuple[int, int]]] = {}
+@dataclasses.dataclass
+class Group:
+    """Decoders timed together, interleaved, over the same prompts: `fns`, name -> a closure over them; EAGLE's
+    `runs`, name -> (head, k, threshold, compiled draft or None), each round in rounds[name] (drafted, accepted), the
+    tokens in outputs[name]; Medusa's (tokens, stats) in medusa_runs[name]; the medians in `times` once timed."""
+
+    prompts: list
+    reference: list
+    fns: dict
+    runs: dict
+    rounds: dict
+    outputs: dict
+    medusa_runs: dict
+    times: dict = dataclasses.field(default_factory=dict)
+
+
+def variants(s: Setup, side: bool) -> Group:
+    """The main group: EAGLE at k = 1 .. K and while confident, its draft compiled, on every prompt. The side group,
+    on the first SIDE_PROMPTS: the slower decoders (the eager model, Medusa) and the draft's variants at k = K (not
+    compiled, float32, eager, the whole LM head). Both time the compiled plain decode and the prefills beside them."""
+    eg, target, new = s.eg, s.target, s.new
+    prompts, reference = (s.prompts[:SIDE_PROMPTS], s.reference[:SIDE_PROMPTS]) if side else (s.prompts, s.reference)
+    if side:
+        runs = {f"{name}, k={K}": (head, K, 0.0, None) for name, head in s.heads.items() if name != "EAGLE"}
+    else:
+        runs = {f"EAGLE, k={k}": (s.heads["EAGLE"], k, 0.0, s.draft) for k in range(1, K + 1)}
+        runs[CONFIDENT] = (s.heads["EAGLE"], K, THRESHOLD, s.draft)
+    g = Group(prompts, reference, {}, runs, {}, {name: [] for name in runs}, {})
     verify = eg.verify
 
     def counted(name):
         def fn(target, cache, tokens, drafted, *args, **kwargs):
             out = verify(target, cache, tokens, drafted, *args, **kwargs)
-            if drafted:
-                rounds[name].append((len(drafted), len(out[0]) - 1))
+            g.rounds[name].append((len(drafted), len(out[0]) - 1))  # (0, 0): a last round with no room to draft
             return out
 
         return fn
 
-    runs = {f"EAGLE, k={k}": (s.heads["EAGLE"], k, 0.0) for k in range(1, K + 1)}
-    runs[CONFIDENT] = (s.heads["EAGLE"], K, THRESHOLD)
-    runs |= {f"{name}, k={K}": (head, K, 0.0) for name, head in s.heads.items() if name != "EAGLE"}
-    outputs = {name: [] for name in runs}
-
     def timed(name):
-        head, k, threshold = runs[name]
+        head, k, threshold, draft = runs[name]
 
         def go():
-            rounds[name], outputs[name] = [], []
+            g.rounds[name], g.outputs[name] = [], []
             eg.verify = counted(name)
-            with compiled_verification(eg, target, s.cache, s.verifier, k):
+            with compiled_steps(eg, s, head, k, draft):
                 for p in prompts:
-                    outputs[name].append(eg.eagle_generate(target, head, p, new, k=k, threshold=threshold)[0])
+                    g.outputs[name].append(eg.eagle_generate(target, head, p, new, k=k, threshold=threshold)[0])
             eg.verify = verify
 
         return go
 
-    fns = {"plain, compiled step": lambda: [s.plain(p, new) for p in prompts]}
-    fns[PREFILL] = lambda: [s.plain(p, 1) for p in prompts]
-    fns["plain, eager model"] = lambda: [target.generate(p, new, stop_at_eos=False) for p in prompts]
-    fns |= {name: timed(name) for name in runs}
-    medusa_runs = {}  # Medusa heads on the same data (python -m labkit.train --only smollm2-medusa), eager verify
-    if (SMOLLM2_MEDUSA / "config.json").is_file():
+    g.fns = {PLAIN: lambda: [s.plain(p, new) for p in prompts], PREFILL: lambda: [s.plain(p, 1) for p in prompts]}
+    if side:
+        g.fns["plain, eager model"] = lambda: [target.generate(p, new, stop_at_eos=False) for p in prompts]
+    g.fns |= {name: timed(name) for name in runs}
+    if side and (SMOLLM2_MEDUSA / "config.json").is_file():  # heads on the same data, eager verification
         md, heads_m = load("stage06_speculative.medusa"), medusa.load(SMOLLM2_MEDUSA, target)
         chain = [(0,) * d for d in range(1, K + 1)]
         for name, paths in {f"Medusa chain, k={K}, eager verify": chain,
                             f"Medusa {len(md.MEDUSA_CHOICES)}-node tree, eager verify": md.MEDUSA_CHOICES}.items():  # fmt: skip
 
             def go(name=name, paths=paths):
-                medusa_runs[name] = [md.medusa_generate(target, heads_m, p, new, paths=paths) for p in prompts]
+                g.medusa_runs[name] = [md.medusa_generate(target, heads_m, p, new, paths=paths) for p in prompts]
 
-            fns[name] = go
-    return fns, runs, rounds, outputs, medusa_runs
+            g.fns[name] = go
+    return g
 
 
 def step_costs(s: Setup, quick: bool) -> dict:
     """Timings of a target step (compiled, eager), a verification of k + 1 tokens (eager, compiled) and a draft
-    step of each head, at 96 cached positions."""
+    step of each head (the shipped one compiled and not), at 96 cached positions."""
     eg, target, cache = s.eg, s.target, s.cache
 
     def compiled_step():
@@ -239,54 +258,57 @@ def step_costs(s: Setup, quick: bool) -> dict:
     def verify(T):
         return lambda: (s.verifier(torch.ones(1, T, dtype=torch.long)), cache.truncate(96))
 
+    H = target.config.hidden_size
+    drafts = {"EAGLE": draft_step(s.draft, s.draft.cache, H)}
+    for name, head in s.heads.items():
+        if name != "EAGLE":
+            c = head.new_cache(97)
+            drafts[name] = draft_step(lambda f, i, head=head, c=c: eg.draft_forward(head, c, f, i), c, H)
     return bench.interleaved(
         {"target step, compiled": compiled_step, "target step, eager": bench.decode_step(target, 96, 1),
          f"verify {K + 1} tokens, eager": bench.decode_step(target, 96, K + 1),
          **{f"verify {k + 1} tokens, compiled": verify(k + 1) for k in range(1, K + 1)},
-         **{f"draft step, {name}": draft_step(eg, head) for name, head in s.heads.items()}},
+         **{f"draft step, {name}": fn for name, fn in drafts.items()}},
         10 if quick else 30, warmup=3,
     )  # fmt: skip
 
 
-def decoder_rows(s: Setup, fns, runs, rounds, outputs, medusa_runs, times) -> list[dict]:
-    """One row a decoder: its acceptance, how many prompts it decoded exactly as the compiled baseline, its
-    time and speedup, and its floor (the plain decode's bytes)."""
-    prompts, reference = s.prompts, s.reference
-    base, prefill = times["plain, compiled step"].median, times[PREFILL].median
+def decoder_rows(s: Setup, g: Group) -> list[dict]:
+    """One row a decoder of group g: its acceptance, how many prompts it decoded exactly as the compiled baseline,
+    its time and speedup over the group's compiled plain decode, and its floor: every target forward (prefills
+    included) reading the weights and a mean context's cache, every draft step the draft's matrices in Q8_0 (34
+    bytes a 32 weights, the fewest any variant stores them in)."""
+    prompts, reference, times = g.prompts, g.reference, g.times
+    base, prefill = times[PLAIN].median, times[PREFILL].median
 
     def decode_speedup(t: float) -> float:  # the prefill every decoder shares taken out of both sides
         return (base - prefill) / (t - prefill)
 
-    medusa_accepted = {}
-    context = max(len(p) for p in prompts) + s.new // 2  # a step's mean context, for the bytes it must read
-    floor_bytes = len(prompts) * s.new * floors.decode_bytes(s.target, context)
-    for name, results in medusa_runs.items():
-        outputs[name] = [out for out, _ in results]
+    context = max(len(p) for p in prompts) + s.new // 2
+    step_bytes = floors.decode_bytes(s.target, context)
+    draft_bytes = 34 / 32 * sum(m.weight.numel() for m in s.heads["EAGLE"].modules() if isinstance(m, nn.Linear))
+    forwards, drafts = dict.fromkeys(g.fns, len(prompts) * s.new), dict.fromkeys(g.fns, 0)
+    accepted, per_position = {}, {}
+    for name, results in g.medusa_runs.items():
+        g.outputs[name] = [out for out, _ in results]
         stats = [st for _, st in results]
-        rounds_m = sum(st.target_forwards - 1 for st in stats)  # verifications (not the prefill)
-        medusa_accepted[name] = round(sum(st.accepted for st in stats) / max(rounds_m, 1), 3)
-    rows = [{"decoder": name, "accepted_per_verify": medusa_accepted.get(name), "acceptance_per_position": None,
-             "identical_prompts": f"{sum(o == r for o, r in zip(outputs.get(name, reference), reference, strict=True))}/{len(prompts)}",
-             "seconds": times[name].median, "speedup": base / times[name].median,
-             "decode_speedup": decode_speedup(times[name].median),
-             **floors.row(times[name].median, bytes=floor_bytes)} for name in fns if name not in runs and name != PREFILL]  # fmt: skip
-    for name, (_, k, _) in runs.items():
-        r = rounds[name]
-        per_position = []
+        forwards[name] = sum(st.target_forwards for st in stats)
+        accepted[name] = round(sum(st.accepted for st in stats) / max(forwards[name] - len(prompts), 1), 3)
+    for name, (_, k, _, _) in g.runs.items():
+        forwards[name], drafts[name] = len(prompts) + len(g.rounds[name]), sum(d for d, _ in g.rounds[name])
+        r = [(d, n) for d, n in g.rounds[name] if d]
+        accepted[name] = round(sum(n for _, n in r) / max(len(r), 1), 3)
+        per_position[name] = []
         for j in range(1, k + 1):
             reached = [n for d, n in r if d >= j and n >= j - 1]
-            per_position.append(round(sum(n >= j for n in reached) / max(len(reached), 1), 3))
-        rows.append({
-            "decoder": name,
-            "accepted_per_verify": round(sum(n for _, n in r) / max(len(r), 1), 3),
-            "acceptance_per_position": per_position,
-            "identical_prompts": f"{sum(o == ref for o, ref in zip(outputs[name], reference, strict=True))}/{len(prompts)}",
-            "seconds": times[name].median,
-            "speedup": base / times[name].median,
-            "decode_speedup": decode_speedup(times[name].median),
-            **floors.row(times[name].median, bytes=floor_bytes),
-        })  # fmt: skip
-    return rows
+            per_position[name].append(round(sum(n >= j for n in reached) / max(len(reached), 1), 3))
+    return [{"decoder": name, "prompts": len(prompts), "target_forwards": forwards[name],
+             "accepted_per_verify": accepted.get(name), "acceptance_per_position": per_position.get(name),
+             "identical_prompts": f"{sum(o == r for o, r in zip(g.outputs.get(name, reference), reference, strict=True))}/{len(prompts)}",
+             "seconds": times[name].median, "speedup": base / times[name].median,
+             "decode_speedup": decode_speedup(times[name].median),
+             **floors.row(times[name].median, bytes=forwards[name] * step_bytes + drafts[name] * draft_bytes)}
+            for name in g.fns if name != PREFILL]  # fmt: skip
 
 
 def engine_rows(s: Setup, quick: bool, k: int) -> list[dict]:
@@ -317,7 +339,7 @@ def break_even(rows: list[dict], costs: dict, rounds: dict) -> dict:
         if name.startswith("EAGLE, k="):
             drafts = [int(name.removeprefix("EAGLE, k="))]
         elif name == CONFIDENT:
-            drafts = [d for d, _ in rounds[name]]
+            drafts = [d for d, _ in rounds[name] if d]
         else:
             continue
         k = sum(drafts) / len(drafts)
@@ -341,15 +363,14 @@ def training_report() -> dict:
 @torch.inference_mode()
 def main(quick: bool = False) -> bench.Result:
     pin_threads(1)
-    n_prompts, new, repeats = (2, 32, 1) if quick else (8, 64, 2)
+    n_prompts, new, repeats = (2, 32, 1) if quick else (eagle_data.HELDOUT, 64, 2)
     s = setup(n_prompts, new)
-    fns, runs, rounds, outputs, medusa_runs = variants(s)
-    for name in runs:  # compiles the verification of k + 1 tokens
-        fns[name]()
-    times = bench.interleaved(fns, repeats, warmup=0)  # the reference run above compiled the plain step
+    main_group, side = variants(s, side=False), variants(s, side=True)
+    main_group.times = bench.interleaved(main_group.fns, repeats, warmup=0)  # setup compiled every step
+    side.times = bench.interleaved(side.fns, 1, warmup=0)
     costs = step_costs(s, quick)
     unit = costs["target step, compiled"].median
-    rows = decoder_rows(s, fns, runs, rounds, outputs, medusa_runs, times)
+    rows, side_rows = decoder_rows(s, main_group), decoder_rows(s, side)
     cost_rows = {name: round(t.median / unit, 3) for name, t in costs.items()}
     best = max((r for r in rows if r["decoder"].startswith("EAGLE, k=")), key=lambda r: r["speedup"])
     best_k = int(best["decoder"].removeprefix("EAGLE, k="))
@@ -360,31 +381,33 @@ def main(quick: bool = False) -> bench.Result:
         f"impl={current()}, median of {repeats}"
     )
     bench.show(rows, title)
+    bench.show(side_rows, f"beside them, on the first {len(side.prompts)} of the prompts, one run")
     print(
         f"costs in compiled target steps ({unit * 1e3:.1f} ms): " + ", ".join(f"{n} {c}" for n, c in cost_rows.items())
     )
     ok = "error" not in engine[0]
     figures = {"prompts": len(s.prompts), "new_tokens": new, "repeats": repeats, "k": K, "best_k": best_k,
-               "prefills_s": times[PREFILL].median,
-               "prefill_share_of_plain": times[PREFILL].median / times["plain, compiled step"].median,
+               "side_prompts": len(side.prompts), "side_repeats": 1,
+               "prefills_s": main_group.times[PREFILL].median,
+               "prefill_share_of_plain": main_group.times[PREFILL].median / main_group.times[PLAIN].median,
                "target_step_compiled_s": unit, "costs_in_compiled_target_steps": cost_rows,
-               "break_even": break_even(rows, cost_rows, rounds), "head_vocab": len(s.heads["EAGLE"].vocab),
+               "break_even": break_even(rows, cost_rows, main_group.rounds), "head_vocab": len(s.heads["EAGLE"].vocab),
                "engine_k": best_k, "engine": engine, **floors.figures(),
                "engine_crossover_fixed_k": crossover(engine) if ok else None,
                "engine_crossover_adaptive": crossover(engine, "adaptive_speedup") if ok else None,
                "training": training_report()}  # fmt: skip
-    return bench.Result(rows, figures, _plot(rows))
+    return bench.Result(rows + side_rows, figures, _plot(rows + side_rows))
 
 
 @torch.inference_mode()
-def calibrate(thresholds=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0), first: int = 8, count: int = 16, new: int = 64) -> dict:
-    """How THRESHOLD was chosen: EAGLE with up to K drafts a round at each threshold (0: always K; 1: one draft a
-    round) on held-out prompts first .. first + count - 1, none of which main() times; one interleaved run, each
-    threshold's wall-clock speedup over the compiled plain decode and its drafts and accepted per verification,
-    saved as bench_results/stage06b_eagle_calibration.json.
-
-        .venv/bin/python -c "from labkit.bench.stage06b_eagle import calibrate; calibrate()"
-    """
+def calibrate(
+    thresholds=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0), first: int = eagle_data.HELDOUT, count: int = 16, new: int = 64
+):
+    """How THRESHOLD is chosen (`python -c "from labkit.bench.stage06b_eagle import calibrate; calibrate()"`): EAGLE
+    with up to K drafts a round at each threshold (0: always K; 1: one draft a round) on held-out prompts first ..
+    first + count - 1 (by default past the HELDOUT that main() times); one interleaved run, each threshold's
+    wall-clock speedup over the compiled plain decode and its drafts and accepted per verification, saved as
+    bench_results/stage06b_eagle_calibration.json."""
     pin_threads(1)
     load0 = os.getloadavg()[0]
     s = setup(first + count, new)
@@ -393,7 +416,7 @@ def calibrate(thresholds=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0), first: int = 8, count: 
 
     def run(threshold):
         def go():
-            with compiled_verification(eg, target, s.cache, s.verifier, K):
+            with compiled_steps(eg, s, head, K, s.draft):
                 stats[threshold] = [
                     eg.eagle_generate(target, head, p, new, k=K, threshold=threshold)[1] for p in prompts
                 ]
@@ -401,9 +424,7 @@ def calibrate(thresholds=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0), first: int = 8, count: 
         return go
 
     fns = {"plain": lambda: [s.plain(p, new) for p in prompts]} | {t: run(t) for t in thresholds}
-    for fn in fns.values():  # compiles each verification length once
-        fn()
-    times = bench.interleaved(fns, 1, warmup=0)
+    times = bench.interleaved(fns, 1, warmup=0)  # setup compiled every step
     rows = []
     for t in thresholds:
         rounds = sum(st.target_forwards - 1 for st in stats[t])
@@ -421,8 +442,7 @@ def _plot(rows: list[dict]):
     """Wall-clock speedup over the compiled plain decode, per decoder."""
     plt = plot.setup()
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    names = [r["decoder"] for r in rows]
-    ax.barh(names, [r["speedup"] for r in rows])
+    ax.barh([r["decoder"] for r in rows], [r["speedup"] for r in rows])
     ax.axvline(1.0, color="gray", lw=0.8)
     ax.set(xlabel="speedup over plain greedy (compiled step)", title="SmolLM2, batch 1, one thread")
     ax.invert_yaxis()

@@ -126,17 +126,19 @@ def test_stage06_lab4_quotes_the_last_eagle_benchmark():
     assert all(agrees(str(int(x)), a, 100) for x, a in zip(drafts, best["acceptance_per_position"], strict=True)), best
     m = quoted(
         text,
-        r"\$c\$ = (\d+\.\d+) with the draft's matrices in Q8_0 on the packed loop \(`eagle.packed`; (\d+\.\d+) in "
-        r"float32, (\d+\.\d+) eager\), \$v\$ = (\d+\.\d+) for the (\d+)-token verification",
+        r"\$c\$ = (\d+\.\d+) compiled, with the draft's matrices in Q8_0 on the packed loop \(`StaticDraft`; "
+        r"(\d+\.\d+) not compiled, (\d+\.\d+) in float32, (\d+\.\d+) eager\), \$v\$ = (\d+\.\d+) for the (\d+)-token "
+        r"verification",
     )
     want = [
         costs["draft step, EAGLE"],
+        costs["draft step, EAGLE, draft not compiled"],
         costs["draft step, EAGLE, float32 draft"],
         costs["draft step, EAGLE, eager draft"],
         costs[f"verify {k + 1} tokens, compiled"],
     ]
-    check(m.groups()[:4], want, "stage06b_eagle.json costs")
-    assert int(m[5]) == k + 1, f"the best k is {k}"
+    check(m.groups()[:5], want, "stage06b_eagle.json costs")
+    assert int(m[6]) == k + 1, f"the best k is {k}"
     m = quoted(text, r"so a round costs about (\d+\.\d+) steps for (\d+\.\d+) tokens")
     cost = k * costs["draft step, EAGLE"] + costs[f"verify {k + 1} tokens, compiled"]  # k·c + v, "about": within 0.05
     assert abs(float(m[1]) - cost) <= 0.05, f"stage06b_eagle.json: a k = {k} round costs {cost:.2f} target steps"
@@ -157,13 +159,18 @@ def test_stage06_lab4_quotes_the_last_eagle_benchmark():
     from labkit.bench.stage06b_eagle import THRESHOLD
 
     assert float(m[2]) == THRESHOLD, f"the benchmark's threshold is {THRESHOLD}"
-    m = quoted(text, r"1\.3× would need (\d+\.\d+) drafts accepted per verification at those costs")
-    check(m.groups(), [1.3 * cost - 1], "stage06b_eagle.json acceptance 1.3x needs")
+    m = quoted(text, r"At these costs 1\.3× needs (\d+\.\d+) drafts accepted per verification at k = (\d+)")
+    check(m.groups()[:1], [1.3 * cost - 1], "stage06b_eagle.json acceptance 1.3x needs")
+    assert int(m[2]) == k, f"the best k is {k}"
+    m = quoted(text, r"k = 1 gives (\d+\.\d+)× \(\$\\bar n\$ = (\d+\.\d+)\)")
+    check(m.groups(), [rows["EAGLE, k=1"]["speedup"], rows["EAGLE, k=1"]["accepted_per_verify"]], "k = 1")
     m = quoted(text, r"at concurrency 1, both sides on the packed loop, the same head at k = (\d+) gives (\d+\.\d+)× "
                      r"\(choose_k (\d+\.\d+)×\)")  # fmt: skip
     engine = next(e for e in bench["engine"] if e["concurrency"] == 1)
     assert int(m[1]) == bench["engine_k"], f"the engine ran k = {bench['engine_k']}"
     check(m.groups()[1:], [engine["fixed_speedup"], engine["adaptive_speedup"]], "stage06b_eagle.json engine at 1")
+    m = quoted(text, r"one thread, all (\d+) held-out prompts × (\d+) tokens\)")
+    assert [int(m[1]), int(m[2])] == [bench["prompts"], bench["new_tokens"]], "stage06b_eagle.json prompts x tokens"
     m = quoted(text, r"2-core AMD EPYC, shared, load (\d+\.\d+)–(\d+\.\d+), one thread[,)]")
     check(m.groups(), [min(bench["load_average_1min"]), max(bench["load_average_1min"])], "stage06b_eagle.json load")
 
