@@ -245,12 +245,13 @@ def test_packed_eagle_head_runs_the_kernels_and_keeps_the_heads_forward(ops, qua
         eagle.packed(odd, "q8_0")
 
 
-@pytest.mark.parametrize("backend", ["eager", "compile"])
-def test_static_draft_equals_the_packed_heads_forward(ops, backend):
-    """labkit.fast_verify.StaticDraft (the benchmark's compiled draft step) over 6, 1, 2 and 2 positions of one
-    sequence: each position's predicted feature is the Q8_0-packed head's teacher-forced one (the same kernels and
-    layout), its logits that feature through the head's LM head at the head's tokens (a shuffled subset, so a
-    scatter into the wrong columns shows) and -inf elsewhere; the keys cross a window of 8, so the wider one runs."""
+def test_static_draft_equals_the_packed_heads_forward(ops):
+    """labkit.fast_verify.StaticDraft (the benchmark's compiled draft step, eager here as StaticVerifier's test is:
+    compiling is torch's, the benchmark runs it) over 6, 1, 2 and 2 positions of one sequence: each position's
+    predicted feature is the Q8_0-packed head's teacher-forced one (the same kernels and layout), its logits that
+    feature through the head's LM head at the head's tokens (a shuffled subset, so a scatter into the wrong columns
+    shows) and -inf elsewhere; the keys cross a window of 8, so the wider one runs."""
+    backend = "eager"
     from labkit import eagle
     from labkit.fast_verify import StaticDraft
 
